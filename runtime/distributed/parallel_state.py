@@ -1,0 +1,74 @@
+"""The tensor-parallel process group and the two collectives the model layers use.
+
+Without `init_tp_group` (or with size 1) the rank is 0, the size is 1 and every collective is a
+no-op, so single-device code never touches torch.distributed. One process holds one TP rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+_TP_GROUP: dist.ProcessGroup | None = None
+
+
+def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str = "env://") -> None:
+    """Joins the TP group of `size` ranks (NCCL on CUDA, gloo on CPU). Call once per process."""
+    global _TP_RANK, _TP_SIZE, _TP_GROUP
+    if not 0 <= rank < size:
+        raise ValueError(f"TP rank {rank} is outside [0, {size})")
+    if size > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
+        _TP_GROUP = dist.group.WORLD
+    _TP_RANK, _TP_SIZE = rank, size
+
+
+def destroy_tp_group() -> None:
+    """Leaves the TP group; afterwards the process acts as a single rank again."""
+    global _TP_RANK, _TP_SIZE, _TP_GROUP
+    if _TP_GROUP is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE, _TP_GROUP = 0, 1, None
+
+
+def get_tp_rank() -> int:
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    return _TP_SIZE
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    return _TP_GROUP
+
+
+def _needs_fp32_transport(t: torch.Tensor) -> bool:
+    # gloo does not reduce half-precision tensors everywhere; widen them for the wire.
+    return t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sums `t` over the TP ranks. Returns the reduced tensor (`t` itself, reduced in place)."""
+    if _TP_SIZE == 1:
+        return t
+    if _needs_fp32_transport(t):
+        wide = t.float()
+        dist.all_reduce(wide, group=_TP_GROUP)
+        t.copy_(wide)
+        return t
+    dist.all_reduce(t, group=_TP_GROUP)
+    return t
+
+
+def tp_all_gather(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenates every rank's `t` (same shape on all ranks) along `dim`, in rank order."""
+    if _TP_SIZE == 1:
+        return t
+    send = t.float().contiguous() if _needs_fp32_transport(t) else t.contiguous()
+    parts = [torch.empty_like(send) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, send, group=_TP_GROUP)
+    return torch.cat(parts, dim=dim).to(t.dtype)

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Each request becomes one `GenerateReqInput` for the TokenizerManager; the SGLang-shaped results
+are reshaped into OpenAI objects by openai_format.py. There is one model: any
+`model` name in a request is accepted and served by it, and responses name the served model.
+
+Chat prompts are rendered and tokenized here (chat_template.py), so special-token text typed in a
+message stays plain text; the ids go to the TokenizerManager as `input_ids`, which makes
+`usage.prompt_tokens` the exact count the model saw.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import Request
+from starlette.responses import Response
+
+from radixlm.runtime.entrypoints.chat_template import ChatTemplate, encode_chat, normalize_messages
+from radixlm.runtime.entrypoints.errors import APIError, to_api_error
+from radixlm.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.entrypoints.openai_format import (
+    SSEResponse,
+    chat_choice,
+    chat_stream,
+    completion_choice,
+    completion_stream,
+    usage_of,
+)
+from radixlm.runtime.managers.io_struct import GenerateReqInput
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
+MAX_TOP_LOGPROBS = 20
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into TokenizerManager calls. One instance per server."""
+
+    def __init__(self, tokenizer_manager: Any, model_name: str, model_path: str, chat_template: ChatTemplate):
+        self.tm = tokenizer_manager
+        self.model_name = model_name
+        self.model_path = model_path
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ models
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixlm",
+                "root": self.model_path, "parent": None, "max_model_len": self.tm.context_len}
+
+    def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def retrieve_model(self, model_id: str) -> dict[str, Any]:
+        if model_id not in (self.model_name, self.model_path):
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return self.model_card()
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        _refuse_dangerous(req.model_extra or {})
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        n = _check_n(req.n)
+        if req.best_of is not None and req.best_of != n:
+            raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
+        top = req.logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+        prompts, is_batch = _split_prompt(req.prompt)
+        prompt_texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
+        max_new = req.max_tokens if req.max_tokens is not None else self._room(self._longest(prompts))
+        params = _sampling_params(req, max_new, n)
+        return_logprob = top is not None
+        obj = _generate_input(prompts, is_batch, params, req, return_logprob=return_logprob,
+                              logprob_start_len=0 if (return_logprob and req.echo) else -1, top=top or 0)
+        echo = [t if req.echo else "" for t in prompt_texts]
+        meta = _ResponseMeta("cmpl-", self.model_name, n)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = await _start(self.tm.generate(obj, raw))
+            return SSEResponse(completion_stream(stream, meta, echo, return_logprob, include_usage))
+        items = await self._run(obj, raw)
+        choices = [completion_choice(it, _index(it, k), echo[_index(it, k) // n], return_logprob)
+                   for k, it in enumerate(items)]
+        _raise_on_error_abort(items)
+        return _json({"id": meta.id, "object": "text_completion", "created": meta.created,
+                      "model": self.model_name, "choices": choices, "usage": usage_of(items, n)})
+
+    def _room(self, prompt_len: int) -> int:
+        """max_tokens null: all the room the context (and the KV pool) leaves after the prompt."""
+        limit = min(self.tm.context_len, int(self.tm.scheduler_info.get("max_total_tokens") or 1 << 62))
+        return max(1, limit - prompt_len)
+
+    def _longest(self, prompts: list[str | list[int]]) -> int:
+        return max(len(p) if isinstance(p, list) else len(self.tm.tokenizer(p)["input_ids"]) for p in prompts)
+
+    # ------------------------------------------------------------------ chat
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        _refuse_dangerous(req.model_extra or {})
+        if req.tools or req.functions:
+            raise APIError(400, "tools/functions are not supported by this server", param="tools")
+        n = _check_n(req.n)
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if top and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        _, input_ids = encode_chat(self.chat_template, self.tm.tokenizer, messages,
+                                   add_generation_prompt=req.add_generation_prompt is not False)
+        context = self.tm.context_len
+        if len(input_ids) >= context:
+            raise APIError(400, f"The prompt is {len(input_ids)} tokens long; the context length is {context} "
+                                f"and leaves no room for output", param="messages", code="context_length_exceeded")
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = _sampling_params(req, max_new if max_new is not None else self._room(len(input_ids)), n)
+        obj = _generate_input([input_ids], False, params, req, return_logprob=bool(req.logprobs),
+                              logprob_start_len=-1, top=top or 0)
+        meta = _ResponseMeta("chatcmpl-", self.model_name, n)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = await _start(self.tm.generate(obj, raw))
+            return SSEResponse(chat_stream(stream, meta, bool(req.logprobs), include_usage))
+        items = await self._run(obj, raw)
+        choices = [chat_choice(it, _index(it, k), bool(req.logprobs)) for k, it in enumerate(items)]
+        _raise_on_error_abort(items)
+        return _json({"id": meta.id, "object": "chat.completion", "created": meta.created,
+                      "model": self.model_name, "choices": choices, "usage": usage_of(items, n),
+                      "system_fingerprint": None})
+
+    async def _run(self, obj: GenerateReqInput, raw: Request) -> list[dict[str, Any]]:
+        try:
+            async for out in self.tm.generate(obj, raw):
+                return out if isinstance(out, list) else [out]
+        except Exception as e:
+            raise to_api_error(e) from None
+        raise APIError(500, "The request produced no output")
+
+
+# ---------------------------------------------------------------------- helpers
+class _ResponseMeta:
+    """The id/created/model every object (or chunk) of one response shares."""
+
+    def __init__(self, prefix: str, model: str, n: int):
+        self.id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.n = n
+
+
+async def _start(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Waits for the first item before the 200 goes out, so input errors still become a 4xx."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "The request produced no output") from None
+    except Exception as e:
+        await stream.aclose()
+        raise to_api_error(e) from None
+
+    async def chained() -> AsyncIterator[Any]:
+        try:
+            yield first
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    return chained()
+
+
+def _check_n(n: int | None) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= 128:
+        raise APIError(400, "n must be in [1, 128]", param="n")
+    return n
+
+
+def _refuse_dangerous(extra: dict[str, Any]) -> None:
+    """Unknown fields are ignored, except those whose silent dropping would mislead the client."""
+    for name in ("function_call", "audio", "prediction"):
+        if extra.get(name):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+
+def _split_prompt(prompt: Any) -> tuple[list[str | list[int]], bool]:
+    if isinstance(prompt, str):
+        return [prompt], False
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)], False
+    if any(isinstance(p, list) and not p for p in prompt):
+        raise APIError(400, "prompt token lists must not be empty", param="prompt")
+    return list(prompt), True
+
+
+def _sampling_params(req: Any, max_new_tokens: int, n: int) -> dict[str, Any]:
+    """OpenAI names -> SamplingParams names; only fields the client set (None means default)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens, "n": n, "stop": req.stop, "temperature": req.temperature,
+        "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p, "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty, "repetition_penalty": req.repetition_penalty,
+        "min_new_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens, "regex": req.regex,
+        "json_schema": req.json_schema, "ebnf": req.ebnf, "logit_bias": req.logit_bias,
+        "sampling_seed": req.seed,
+    }
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            params["json_schema"] = JSON_OBJECT_SCHEMA
+        else:
+            schema = fmt.json_schema.schema_ if fmt.json_schema else None
+            if schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema",
+                               param="response_format")
+            params["json_schema"] = json.dumps(schema)
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def _generate_input(prompts: list[str | list[int]], is_batch: bool, params: dict[str, Any], req: Any, *,
+                    return_logprob: bool, logprob_start_len: int, top: int) -> GenerateReqInput:
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts and len(texts) != len(prompts):
+        raise APIError(400, "prompt must be all strings or all token lists", param="prompt")
+    value: Any = prompts if is_batch else prompts[0]
+    return GenerateReqInput(
+        text=value if texts else None, input_ids=None if texts else value, sampling_params=params,
+        rid=req.rid, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+        top_logprobs_num=top, return_text_in_logprobs=True, stream=bool(req.stream), priority=req.priority)
+
+
+def _index(item: dict[str, Any], position: int) -> int:
+    index = item.get("index")
+    return index if isinstance(index, int) else position
+
+
+def _raise_on_error_abort(items: list[dict[str, Any]]) -> None:
+    """An abort that carries an HTTP status (input rejected late, overload) becomes that error."""
+    for it in items:
+        reason = (it.get("meta_info") or {}).get("finish_reason") or {}
+        status = reason.get("status_code") if isinstance(reason, dict) else None
+        if reason.get("type") == "abort" and isinstance(status, int) and 400 <= status < 600:
+            raise APIError(status, str(reason.get("message") or "Request aborted"))
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")

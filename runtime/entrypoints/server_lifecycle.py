@@ -1,0 +1,203 @@
+"""The server process's life: start the children, serve HTTP on uvloop, announce readiness, exit.
+
+    run_server(server_args)      # what launch_server / `radixlm-server` run; never returns
+
+Order: check flags and the port -> launch_subprocesses (model load, readiness handshake) -> print
+the capacity report -> TokenizerManager + app inside the event loop -> uvicorn -> a 1-token
+generation -> log READY_LINE.
+
+Exits: SIGINT/SIGTERM stop uvicorn gracefully (3 s at most), then every child is shut down; exit 0.
+A child that dies (the watchdog calls `on_child_death` from its thread) fails every in-flight
+request with an error, marks /health 503, stops uvicorn, and the process exits 1; a timer forces
+the exit if the graceful path has not finished within CHILD_DEATH_EXIT_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from radixlm.runtime.entrypoints.chat_template import CHAT_TEMPLATES
+from radixlm.runtime.entrypoints.http_server import (
+    ServerState,
+    capacity_report,
+    create_app,
+    format_capacity,
+    health_generate,
+)
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger("radixlm.server")
+
+READY_LINE = "The server is fired up and ready to roll!"
+CHILD_DEATH_EXIT_S = 3.5
+GRACEFUL_SHUTDOWN_S = 3
+WARMUP_TIMEOUT_S = 600.0
+
+
+def run_server(server_args: ServerArgs) -> None:
+    configure_logging(server_args.log_level)
+    args = server_args.resolved()
+    args.validate()
+    check_chat_template_flag(args.chat_template)
+    check_port_free(args.host, args.port)
+    life = ServerLifecycle(args)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, life.on_signal)
+    try:
+        life.start_children()
+        _run_loop(life.serve())
+    except KeyboardInterrupt:
+        logger.info("Interrupted before the server was up")
+    finally:
+        life.stop_children()
+    sys.exit(life.exit_code)
+
+
+def _run_loop(coro: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:   # uvloop is a dependency off Windows; plain asyncio elsewhere
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+class ServerLifecycle:
+    """Holds what signal handlers and the child watchdog need to reach."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.subprocesses: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: Any = None            # uvicorn.Server, once serving
+        self.tm: Any = None
+        self.state: ServerState | None = None
+        self.child_failure: str | None = None
+        self.exit_code = 0
+
+    # ------------------------------------------------------------------ children
+    def start_children(self) -> None:
+        from radixlm.runtime.entrypoints.launch import launch_subprocesses
+
+        self.subprocesses = launch_subprocesses(self.args, on_child_death=self.on_child_death)
+        info = self.subprocesses.scheduler_info
+        for line in format_capacity(capacity_report(info, int(info.get("context_len") or 0))):
+            logger.info(line)
+
+    def stop_children(self) -> None:
+        if self.subprocesses is not None:
+            subprocesses, self.subprocesses = self.subprocesses, None
+            subprocesses.shutdown()
+
+    # ------------------------------------------------------------------ serving
+    async def serve(self) -> None:
+        import uvicorn
+
+        from radixlm.runtime.managers.tokenizer_manager import TokenizerManager
+        from radixlm.runtime.metrics import MetricsCollector
+
+        self.loop = asyncio.get_running_loop()
+        info = self.subprocesses.scheduler_info
+        metrics = MetricsCollector(self.args.model_name)
+        metrics.set_max_total_tokens(int(info.get("max_total_tokens") or 0))
+        self.tm = TokenizerManager(self.args, self.subprocesses.port_args, info, metrics=metrics)
+        app = create_app(self.tm, self.args, metrics)
+        self.state = app.state.server
+        config = uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level=self.args.log_level,
+                                access_log=self.args.log_requests, lifespan="off", timeout_keep_alive=5,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096)
+        self.server = uvicorn.Server(config)
+        if self.child_failure:   # died between the handshake and now
+            self._fail_in_loop(self.child_failure)
+        ready = asyncio.create_task(self._announce_ready())
+        try:
+            await self.server.serve()
+        finally:
+            ready.cancel()
+        if self.server.started is False and not self.child_failure:
+            self.exit_code = 1
+
+    async def _announce_ready(self) -> None:
+        while not self.server.started:
+            if self.server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        problem = await health_generate(self.tm, timeout=WARMUP_TIMEOUT_S)
+        if problem:
+            logger.error("The warm-up generation failed (%s); shutting down", problem)
+            self.exit_code = 1
+            self.server.should_exit = True
+            return
+        logger.info(READY_LINE)
+
+    # ------------------------------------------------------------------ events
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        logger.info("Received %s; shutting down", signal.Signals(signum).name)
+        if self.server is None:
+            raise KeyboardInterrupt
+        self.server.should_exit = True
+
+    def on_child_death(self, name: str, exitcode: int | None) -> None:
+        """Called from the watchdog thread; may be called once per dead child."""
+        if self.child_failure is not None:
+            return
+        message = f"child process '{name}' died (exit code {exitcode})"
+        logger.error("%s; failing in-flight requests and shutting down", message)
+        self.child_failure = message
+        self.exit_code = 1
+        threading.Thread(target=self._force_exit_later, name="radixlm-exit-timer", daemon=True).start()
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._fail_in_loop, message)
+
+    def _fail_in_loop(self, message: str) -> None:
+        if self.state is not None:
+            self.state.failure = message
+        if self.tm is not None:
+            self.tm.fail_all(f"Server failure: {message}")
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def _force_exit_later(self) -> None:
+        time.sleep(CHILD_DEATH_EXIT_S)
+        logger.error("Graceful shutdown took too long; exiting")
+        stopper = threading.Thread(target=self.stop_children, daemon=True)
+        stopper.start()
+        stopper.join(1.0)
+        os._exit(1)
+
+
+# ---------------------------------------------------------------------- checks and logging
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", stream=sys.stderr,
+                        force=True)
+    try:
+        from prometheus_client import disable_created_metrics
+
+        disable_created_metrics()   # no *_created samples in /metrics
+    except ImportError:
+        pass
+
+
+def check_chat_template_flag(spec: str | None) -> None:
+    if spec and spec not in CHAT_TEMPLATES and not os.path.isfile(spec):
+        raise SystemExit(f"error: --chat-template {spec!r} is neither a file nor one of: "
+                         f"{', '.join(CHAT_TEMPLATES)}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -1,0 +1,140 @@
+"""The CUDA attention backend: FlashInfer's batch prefill and decode wrappers over our paged KV.
+
+Per forward pass, `init_forward_metadata` builds the paged metadata once
+(`radixlm.kernels.flashinfer_meta`) and calls `plan` on one wrapper: the prefill wrapper for
+EXTEND and MIXED, the decode wrapper for DECODE. Every layer then calls that wrapper's `run` with
+its own K/V buffers viewed as pages; plan once, run per layer, as FlashInfer intends.
+
+FlashInfer is imported inside `__init__`, after checking CUDA, so this module imports on CPU
+without flashinfer installed (importing flashinfer on CPU succeeds but every kernel fails).
+
+FlashInfer API facts used here (from its docs and source; no code copied):
+- `BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout="NHD")` and
+  `BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout="NHD", use_tensor_cores=...)`;
+  the workspace is a uint8 CUDA tensor (their examples use 128 MiB) and may be shared by wrappers.
+- prefill `plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+  num_qo_heads, num_kv_heads, head_dim, page_size, *, causal, sm_scale, q_data_type, kv_data_type)`;
+  the 7th argument was renamed `head_dim` -> `head_dim_qk` across versions, so it goes
+  positionally; everything after `page_size` goes by keyword (positional use is deprecated).
+- decode `plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+  *, sm_scale, q_data_type, kv_data_type)`.
+- `run(q, paged_kv_cache)` with `paged_kv_cache = (k_cache, v_cache)`, each
+  `[num_pages, page_size, num_kv_heads, head_dim]` for "NHD"; q is `[nnz, num_qo_heads, head_dim]`
+  (decode: `[batch, ...]`); returns the output with q's shape. Causal prefill aligns the queries
+  with the last qo_len KV positions.
+- `plan` copies the index tensors to the host, so it must not run inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from radixlm.kernels.flashinfer_meta import (
+    PagedMeta,
+    build_decode_meta,
+    build_paged_meta,
+    paged_kv_view,
+    total_pages_of,
+)
+from radixlm.runtime.layers.attention.base import AttentionBackend, RadixAttention, register_backend
+from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+
+DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer's FA2 kernels dispatch on these head dims; others are not validated by the library
+# (not a multiple of 64: illegal memory access; not a multiple of 16: silently wrong results,
+# flashinfer-ai/flashinfer#4299), so we refuse them up front.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why this backend cannot run a model with this head_dim and dtype, or None if it can."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of FlashInfer's {SUPPORTED_HEAD_DIMS}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not float16 or bfloat16"
+    return None
+
+
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Large GQA groups run faster on the tensor-core (prefill-kernel) decode path."""
+    return num_heads // num_kv_heads >= 4
+
+
+@register_backend("flashinfer")
+class FlashInferAttnBackend(AttentionBackend):
+    """Paged attention with FlashInfer (CUDA only). Heads are this TP rank's heads.
+
+    `sm_scale` is the scale planned once per pass (default head_dim ** -0.5); a layer whose
+    `scaling` differs has its q rescaled so the result is still `softmax(q k^T * layer.scaling)`.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 device: torch.device | str, dtype: torch.dtype,
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, sm_scale: float | None = None):
+        reason = flashinfer_unsupported_reason(head_dim, dtype)
+        if reason:
+            raise ValueError(f"The flashinfer attention backend cannot run this model: {reason}; "
+                             "use --attention-backend torch_native (or --dtype bfloat16/float16)")
+        if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+            raise RuntimeError("The flashinfer attention backend needs a CUDA device; "
+                               "use --attention-backend torch_native on CPU")
+        try:
+            import flashinfer
+        except ImportError as exc:
+            raise RuntimeError("The flashinfer attention backend needs FlashInfer: "
+                               "pip install 'radixlm[cuda]' (flashinfer-python)") from exc
+        self._init_state(num_heads, num_kv_heads, head_dim, page_size, device, dtype, sm_scale)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(num_heads, num_kv_heads))
+
+    def _init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                    device: torch.device | str, dtype: torch.dtype, sm_scale: float | None) -> None:
+        """Everything but the wrappers (tests give a CPU stand-in the same state)."""
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sm_scale = sm_scale if sm_scale is not None else head_dim ** -0.5
+
+    # ------------------------------------------------------------ once per pass
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Builds the paged metadata and plans the wrapper this pass uses; stores the metadata on
+        `forward_batch.attn_metadata`. Syncs with the host (plan copies indptrs to the CPU)."""
+        fb = forward_batch
+        table = fb.req_to_token_pool.req_to_token
+        total_pages = total_pages_of(fb.seq_lens_cpu, self.page_size)
+        kv_dtype = fb.kv_cache.dtype
+        if fb.forward_mode.is_decode:
+            meta = build_decode_meta(table, fb.req_pool_indices, fb.seq_lens, self.page_size, total_pages)
+            self.decode_wrapper.plan(
+                meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
+        else:
+            meta = build_paged_meta(table, fb.req_pool_indices, fb.prefix_lens, fb.seq_lens,
+                                    self.page_size, total_pages)
+            self.prefill_wrapper.plan(
+                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
+        fb.attn_metadata = meta
+
+    # ------------------------------------------------------------ per layer
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        return self._run(self.prefill_wrapper, q, layer, fb)
+
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        return self._run(self.decode_wrapper, q, layer, fb)
+
+    def _run(self, wrapper, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim] -> out: same shape, in self.dtype
+        if not isinstance(fb.attn_metadata, PagedMeta):
+            raise RuntimeError("init_forward_metadata must run before the layers of a forward pass")
+        if layer.scaling != self.sm_scale:
+            q = q * (layer.scaling / self.sm_scale)
+        q = q.to(self.dtype).contiguous()
+        k_pages = paged_kv_view(fb.kv_cache.k_buffer[layer.layer_id], self.page_size)
+        v_pages = paged_kv_view(fb.kv_cache.v_buffer[layer.layer_id], self.page_size)
+        return wrapper.run(q, (k_pages, v_pages))

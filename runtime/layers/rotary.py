@@ -1,0 +1,79 @@
+"""Rotary position embedding (neox style: rotate the two halves of each head, as HF Llama does).
+
+Supported `rope_type`s: "default", "linear" and "llama3" (the Llama 3.1 frequency smoothing).
+The cos/sin table (half width: both halves of a head share one frequency) is computed once in
+fp32 for every position up to `max_position`; `forward` gathers the rows of `positions` and
+casts them to the activation dtype, as HF does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    """inv_freq[i] = base^(-2i/head_dim), i in [0, head_dim/2)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (base ** exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position: int) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, the middle
+    band interpolated smoothly between the two."""
+    low_freq_wavelen = original_max_position / low_freq_factor
+    high_freq_wavelen = original_max_position / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    """The inverse frequencies for `rope_scaling` (an HF rope-parameters dict, or None for default)."""
+    inv_freq = default_inv_freq(head_dim, base)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, float(rope_scaling["factor"]), float(rope_scaling["low_freq_factor"]),
+                               float(rope_scaling["high_freq_factor"]),
+                               int(rope_scaling["original_max_position_embeddings"]))
+    raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to flat q and k: `forward(positions, q, k) -> (q, k)`, shapes unchanged."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]          # [max_position, head_dim/2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [n, heads*head_dim], k: [n, kv_heads*head_dim], positions: [n]
+        cos = self.cos_cache[positions].repeat(1, 2).to(q.dtype)[:, None, :]   # [n, 1, head_dim]
+        sin = self.sin_cache[positions].repeat(1, 2).to(q.dtype)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shaped = x.view(x.shape[0], -1, self.head_dim)           # [n, heads, head_dim]
+        return (shaped * cos + rotate_half(shaped) * sin).view_as(x)

@@ -1,0 +1,184 @@
+"""SamplingBatchInfo: one decode step's sampling parameters, as batched tensors.
+
+The scheduler builds one per step from each request's `SamplingParams` and token lists; the
+`Sampler` consumes it. Everything optional (penalties, logit_bias, the min_new_tokens ban, the
+grammar vocab mask) is `None` when no request in the batch uses it, so a plain batch costs a few
+tiny tensors and no [bs, vocab] work.
+
+Semantics, per request (row):
+- greedy rows (`temperature < 1e-5` or `top_k == 1`) take the argmax of the processed logits;
+  their temperature is stored as 1.0 so that the scaled logits stay finite.
+- `top_k == -1` is stored as `vocab_size` (disabled).
+- frequency / presence penalties count OUTPUT tokens only; the repetition penalty (HF style)
+  covers prompt and output tokens.
+- while `len(output) < min_new_tokens`, the eos ids and the request's `stop_token_ids` are banned.
+  `ignore_eos` does not ban anything here (as in SGLang): the scheduler simply does not stop on eos.
+- a request with `sampling_seed` gets a per-step seed derived from (seed, len(output)), so its
+  draws do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingBatchInfo:
+    vocab_size: int
+    temperatures: torch.Tensor              # [bs, 1] float32, 1.0 on greedy rows
+    top_ps: torch.Tensor                    # [bs] float32
+    top_ks: torch.Tensor                    # [bs] int64, vocab_size when disabled
+    min_ps: torch.Tensor                    # [bs] float32
+    is_greedy: torch.Tensor                 # [bs] bool
+    has_filter: torch.Tensor                # [bs] bool: sampled row with top-k, top-p or min-p
+    is_all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_top_k: int                          # largest top_k over filtered rows (vocab_size if unbounded)
+    # Penalties; None when no request uses them.
+    frequency_penalties: torch.Tensor | None = None   # [bs, 1] float32
+    presence_penalties: torch.Tensor | None = None    # [bs, 1] float32
+    output_counts: torch.Tensor | None = None         # [bs, V] float32, count of each output token
+    repetition_penalties: torch.Tensor | None = None  # [bs, 1] float32
+    seen_tokens: torch.Tensor | None = None           # [bs, V] bool, token in prompt or output
+    logit_bias: torch.Tensor | None = None            # [bs, V] float32
+    # min_new_tokens ban as (row, token id) pairs: logits[ban_rows[j], ban_ids[j]] = -inf.
+    ban_rows: torch.Tensor | None = None              # [num_bans] int64
+    ban_ids: torch.Tensor | None = None               # [num_bans] int64
+    vocab_mask: torch.Tensor | None = None            # [bs, V] bool, True = allowed
+    # (row, seed for this step) of every seeded request; other rows use the global RNG.
+    row_seeds: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def any_filter(self) -> bool:
+        return self.need_top_k or self.need_top_p or self.need_min_p
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperatures.shape[0])
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], input_ids: list[list[int]], output_ids: list[list[int]],
+              vocab_size: int, eos_token_ids: list[int], device: torch.device | str,
+              vocab_mask: torch.Tensor | None = None) -> SamplingBatchInfo:
+        """Batches the parameters of `params[i]` for the request with tokens `input_ids[i]` (prompt)
+        and `output_ids[i]` (generated so far). Reads the lists, modifies nothing.
+
+        `vocab_mask`, if given, is a bool [bs, vocab_size] tensor (True = allowed); each row must
+        allow at least one token.
+        """
+        bs = len(params)
+        if len(input_ids) != bs or len(output_ids) != bs:
+            raise ValueError("params, input_ids and output_ids must have one entry per request")
+        greedy = [p.is_greedy for p in params]
+        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        filtered = [not g and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+                    for p, g, k in zip(params, greedy, top_ks, strict=True)]
+        filtered_params = [p for p, f in zip(params, filtered, strict=True) if f]
+        info = cls(
+            vocab_size=vocab_size,
+            temperatures=_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                                 torch.float32, device).view(bs, 1),
+            top_ps=_tensor([p.top_p for p in params], torch.float32, device),
+            top_ks=_tensor(top_ks, torch.int64, device),
+            min_ps=_tensor([p.min_p for p in params], torch.float32, device),
+            is_greedy=_tensor(greedy, torch.bool, device),
+            has_filter=_tensor(filtered, torch.bool, device),
+            is_all_greedy=all(greedy),
+            need_top_k=any(p.top_k != -1 and p.top_k < vocab_size for p in filtered_params),
+            need_top_p=any(p.top_p < 1.0 for p in filtered_params),
+            need_min_p=any(p.min_p > 0.0 for p in filtered_params),
+            max_top_k=max((k for k, f in zip(top_ks, filtered, strict=True) if f), default=1),
+            row_seeds=tuple((i, step_seed(p.sampling_seed, len(out)))
+                            for i, (p, out) in enumerate(zip(params, output_ids, strict=True))
+                            if p.sampling_seed is not None),
+        )
+        info._add_penalties(params, input_ids, output_ids, device)
+        info._add_logit_bias(params, device)
+        info._add_min_tokens_ban(params, output_ids, eos_token_ids, device)
+        if vocab_mask is not None:
+            if tuple(vocab_mask.shape) != (bs, vocab_size):
+                raise ValueError(f"vocab_mask must have shape {(bs, vocab_size)}, "
+                                 f"got {tuple(vocab_mask.shape)}")
+            info.vocab_mask = vocab_mask.to(device=device, dtype=torch.bool)
+        return info
+
+    # ------------------------------------------------------------------ builders
+    def _add_penalties(self, params: list[SamplingParams], input_ids: list[list[int]],
+                       output_ids: list[list[int]], device: torch.device | str) -> None:
+        bs, vocab = len(params), self.vocab_size
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            self.frequency_penalties = _tensor([p.frequency_penalty for p in params], torch.float32,
+                                               device).view(bs, 1)
+            self.presence_penalties = _tensor([p.presence_penalty for p in params], torch.float32,
+                                              device).view(bs, 1)
+            rows, ids = _flat_pairs(output_ids, device)
+            counts = torch.zeros(bs, vocab, dtype=torch.float32, device=device)
+            counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+            self.output_counts = counts
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.repetition_penalties = _tensor([p.repetition_penalty for p in params], torch.float32,
+                                                device).view(bs, 1)
+            seen_lists = [list(a) + list(b) for a, b in zip(input_ids, output_ids, strict=True)]
+            rows, ids = _flat_pairs(seen_lists, device)
+            seen = torch.zeros(bs, vocab, dtype=torch.bool, device=device)
+            seen[rows, ids] = True
+            self.seen_tokens = seen
+
+    def _add_logit_bias(self, params: list[SamplingParams], device: torch.device | str) -> None:
+        if not any(p.logit_bias for p in params):
+            return
+        rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+        ids = [tid for p in params for tid in p.logit_bias]
+        values = [v for p in params for v in p.logit_bias.values()]
+        bias = torch.zeros(len(params), self.vocab_size, dtype=torch.float32, device=device)
+        bias[_tensor(rows, torch.int64, device), _tensor(ids, torch.int64, device)] = _tensor(
+            values, torch.float32, device)
+        self.logit_bias = bias
+
+    def _add_min_tokens_ban(self, params: list[SamplingParams], output_ids: list[list[int]],
+                            eos_token_ids: list[int], device: torch.device | str) -> None:
+        rows: list[int] = []
+        ids: list[int] = []
+        for i, (p, out) in enumerate(zip(params, output_ids, strict=True)):
+            if len(out) < p.min_new_tokens:
+                banned = sorted({*eos_token_ids, *p.stop_token_ids})
+                rows.extend([i] * len(banned))
+                ids.extend(banned)
+        if rows:
+            self.ban_rows = _tensor(rows, torch.int64, device)
+            self.ban_ids = _tensor(ids, torch.int64, device)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request at output position `step` (a 63-bit mix of both)."""
+    return _mix64((seed & _MASK64) ^ _mix64(step)) >> 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finalizer: spreads nearby inputs over the whole 64-bit range."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _flat_pairs(token_lists: list[list[int]], device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every token in `token_lists`, as two flat int64 tensors."""
+    lens = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lens)
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    return rows.to(device), ids.to(device)

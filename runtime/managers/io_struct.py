@@ -1,0 +1,160 @@
+"""Every message that crosses a process boundary, in one place.
+
+    TokenizerManager --TokenizedGenerateReq / AbortReq / control--> Scheduler
+    Scheduler        --BatchTokenIDOut / control replies--------> Detokenizer
+    Detokenizer      --BatchStrOut / control replies (forwarded)--> TokenizerManager
+
+Messages are plain dataclasses sent with pickle (see managers/ipc.py). Keep them flat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+# ----------------------------------------------------------------- requests
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1          # -1: output positions only
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: int = 0                    # larger runs first under --schedule-policy priority
+    group_rid: str | None = None         # n > 1: siblings share one prefill of the prompt
+    timeout: float | None = None         # seconds since arrival before the scheduler aborts it
+
+
+@dataclass
+class AbortReq:
+    rid: str                             # "" aborts everything
+    message: str | None = None
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheOut:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateOut:
+    state: dict[str, Any]
+
+
+# ------------------------------------------------------------------ outputs
+@dataclass
+class ReqTokenOut:
+    """What one request produced in one scheduler step (deltas, not cumulative lists)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict[str, Any] | None   # {"type": "stop"|"length"|"abort", ...}
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strs: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False
+    # logprobs, as [logprob, token_id] pairs (text is added by the TokenizerManager)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    jump_forward_tokens: int = 0
+    forward_passes: int = 0
+
+
+@dataclass
+class BatchTokenIDOut:
+    outputs: list[ReqTokenOut]
+
+
+@dataclass
+class ReqStrOut:
+    rid: str
+    text_delta: str                      # new text since the last message for this rid
+    token: ReqTokenOut                   # the token-level record it was made from
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[ReqStrOut]
+
+
+@dataclass
+class SchedulerStats:
+    """Pushed by the scheduler a few times a second while busy (and once when it goes idle)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_grammar_queue_reqs: int
+    kv_used_tokens: int                  # held by requests (evictable cache excluded)
+    kv_evictable_tokens: int
+    max_total_tokens: int
+    num_preemptions: int
+    prefix_cache_queries: int            # cumulative, in tokens
+    prefix_cache_hits: int
+    late_divergence_misses: int = 0
+    gen_throughput: float = 0.0
+    dp_rank: int = 0
+
+
+@dataclass
+class SchedulerReady:
+    """The readiness handshake each scheduler sends once its model and KV pool exist."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class DetokenizerReady:
+    """The detokenizer's readiness handshake: its tokenizer is loaded and its sockets are bound."""
+
+    pass
+
+
+@dataclass
+class ChildFailed:
+    """Sent (best effort) by a child process that hit an unrecoverable error."""
+
+    who: str
+    error: str
+
+
+# ------------------------------------------------------- API-level input
+@dataclass
+class GenerateReqInput:
+    """The native `/generate` body (and what Engine.generate builds). Fields follow SGLang.
+
+    Single: `text` is a str or `input_ids` a list[int]. Batch: a list of either; then
+    `sampling_params`, `rid`, `return_logprob`, ... may each be a single value or a per-item list.
+    """
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool | None = None
+    stream: bool | None = None
+    priority: int | None = None
+    timeout: float | None = None

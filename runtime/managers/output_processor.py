@@ -1,0 +1,192 @@
+"""After a forward pass: sample, record logprobs, apply grammar and stop rules, cache and emit.
+
+For each request of the step, with [p, p + n) the tokens just computed:
+
+    p + n <  seq_len   a chunk of a longer prefill: insert it into the tree, sample nothing
+    p + n == seq_len   the last token's logits pick the next token (prefill-only requests finish)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
+from radixlm.runtime.layers.sampler import Sampler
+from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo
+from radixlm.runtime.managers.batch_planner import StepBatch
+from radixlm.runtime.managers.io_struct import ReqTokenOut
+from radixlm.runtime.managers.req import Req
+from radixlm.runtime.model_executor.model_runner import LogitsOutput
+
+STOP_STR_LOOKBACK_TOKENS = 8   # decode this many tokens beyond the longest stop string's length
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: list[int], vocab_size: int, context_len: int,
+                 device: torch.device, jump_forward: bool):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.device = device
+        self.jump_forward = jump_forward
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------ input logprobs
+    @staticmethod
+    def logprob_rows(batch: StepBatch) -> tuple[list[int], list[tuple[Req, int, int]]]:
+        """Flat token rows whose logits are needed for input logprobs, and per request the
+        (req, first row index into that list, first prompt position j) they cover.
+        Position j's logits give the logprob of input token j + 1."""
+        rows: list[int] = []
+        spans: list[tuple[Req, int, int]] = []
+        offset = 0
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            p = req.cached_len
+            if req.wants_input_logprobs:
+                lo = max(p, req.input_logprob_start - 1)
+                hi = min(p + n, req.prompt_len - 1)
+                if hi > lo:
+                    spans.append((req, len(rows), lo))
+                    rows.extend(offset + j - p for j in range(lo, hi))
+            offset += n
+        return rows, spans
+
+    def record_input_logprobs(self, spans: list[tuple[Req, int, int]], extra: torch.Tensor | None,
+                              batch: StepBatch) -> None:
+        lp = compute_logprobs(extra) if extra is not None else None
+        for req in batch.reqs:
+            if req.wants_input_logprobs and req.input_token_logprobs is None:
+                req.input_token_logprobs, req.input_top_logprobs = [], []
+                if req.input_logprob_start == 0:
+                    req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+                    req.input_top_logprobs.append(None)
+        end_of = {id(r): r.cached_len + n for r, n in zip(batch.reqs, batch.extend_lens)}
+        for req, start, lo in spans:
+            hi = min(end_of[id(req)], req.prompt_len - 1)
+            block = lp[start:start + hi - lo]
+            ids = req.origin_input_ids[lo + 1: hi + 1]
+            vals = gather_token_logprobs(block, ids)
+            req.input_token_logprobs.extend(zip(vals, ids))
+            tops = top_k_logprobs(block, [req.top_logprobs_num] * len(ids)) if req.top_logprobs_num else (
+                [None] * len(ids))
+            req.input_top_logprobs.extend(tops)
+
+    # ------------------------------------------------------------ sampling
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        mask = None
+        if any(r.grammar is not None for r in reqs):
+            mask = torch.ones(len(reqs), self.vocab_size, dtype=torch.bool)
+            for i, r in enumerate(reqs):
+                if r.grammar is not None:
+                    r.grammar.fill_vocab_mask(mask[i])
+            mask = mask.to(self.device)
+        info = SamplingBatchInfo.build([r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs],
+                                       [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
+                                       self.device, vocab_mask=mask)
+        want_lp = any(r.return_logprob for r in reqs)
+        out = self.sampler.sample(logits[:, : self.vocab_size], info, return_logprobs=want_lp)
+        ids = out.next_token_ids.tolist()
+        if want_lp:
+            rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+            lp = out.logprobs[rows]
+            vals = gather_token_logprobs(lp, [ids[i] for i in rows])
+            tops = top_k_logprobs(lp, [reqs[i].top_logprobs_num for i in rows])
+            for k, i in enumerate(rows):
+                reqs[i].output_token_logprobs.append((vals[k], ids[i]))
+                if reqs[i].top_logprobs_num:
+                    reqs[i].output_top_logprobs.append(tops[k])
+        return ids
+
+    # -------------------------------------------------------- token rules
+    def append_token(self, req: Req, tid: int) -> None:
+        req.output_ids.append(tid)
+        if req.grammar is not None:
+            req.grammar.accept_token(tid)
+        self.check_finished(req, tid)
+        if not req.finished and req.grammar is not None and self.jump_forward:
+            self._jump_forward(req)
+
+    def _jump_forward(self, req: Req) -> None:
+        budget = min(req.remaining_new_tokens(), self.context_len - req.seq_len - 1)
+        if budget <= 0:
+            return
+        text = self.tokenizer.decode(req.output_ids)
+        forced = req.grammar.jump_forward_tokens(text)
+        if not forced:
+            return
+        forced = forced[:budget]
+        req.output_ids.extend(forced)
+        req.jump_forward_tokens += len(forced)
+        if req.return_logprob:   # forced tokens have probability one under the constraint
+            req.output_token_logprobs.extend((0.0, t) for t in forced)
+            if req.top_logprobs_num:
+                req.output_top_logprobs.extend([(0.0, t)] for t in forced)
+        self.check_finished(req, forced[-1])
+
+    def check_finished(self, req: Req, last: int) -> None:
+        sp = req.sampling_params
+        out_len = len(req.output_ids)
+        if out_len >= sp.min_new_tokens:
+            if last in sp.stop_token_ids:
+                req.finished_reason = {"type": "stop", "matched": last}
+                return
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                req.finished_reason = {"type": "stop", "matched": last}
+                return
+            if sp.stop:
+                tail = self.tokenizer.decode(req.output_ids[-(self._stop_window(sp.stop)):],
+                                             skip_special_tokens=sp.skip_special_tokens)
+                for s in sp.stop:
+                    if s in tail:
+                        req.finished_reason = {"type": "stop", "matched": s}
+                        return
+        if out_len >= sp.max_new_tokens:
+            req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+        elif req.seq_len >= self.context_len:
+            req.finished_reason = {"type": "length", "length": out_len}
+        elif req.grammar is not None and req.grammar.is_terminated() and not (
+                not sp.ignore_eos and last in self.eos_token_ids):
+            req.finished_reason = {"type": "stop", "matched": None}
+
+    @staticmethod
+    def _stop_window(stops: list[str]) -> int:
+        return max(len(s) for s in stops) + STOP_STR_LOOKBACK_TOKENS
+
+    # ------------------------------------------------------------ emitting
+    @staticmethod
+    def make_output(req: Req) -> ReqTokenOut:
+        sp = req.sampling_params
+        new = req.output_ids[req.sent_len:]
+        out = ReqTokenOut(
+            rid=req.rid, new_token_ids=list(new), finish_reason=req.finished_reason,
+            prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, stop_strs=list(sp.stop),
+            no_stop_trim=sp.no_stop_trim, jump_forward_tokens=req.jump_forward_tokens,
+            forward_passes=req.forward_passes)
+        if req.return_logprob:
+            if not req.sent_first:
+                out.input_token_logprobs = list(req.input_token_logprobs or [])
+                out.input_top_logprobs = list(req.input_top_logprobs or []) if req.top_logprobs_num else None
+            out.output_token_logprobs = req.output_token_logprobs[req.sent_len:]
+            if req.top_logprobs_num:
+                out.output_top_logprobs = req.output_top_logprobs[req.sent_len:]
+        req.sent_len = len(req.output_ids)
+        req.sent_first = True
+        return out
+
+    @staticmethod
+    def should_emit(req: Req) -> bool:
+        """Streamed requests get every step; others their first token (for TTFT) and their end."""
+        if req.finished:
+            return True
+        if len(req.output_ids) <= req.sent_len:
+            return False
+        return req.stream or not req.sent_first
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,111 @@
+"""Waiting-queue order (the --schedule-policy registry) and the prefill admission budget.
+
+Cache-aware policies (lpm, dfs-weight) read the radix tree without locking it; the order they
+produce is only a preference: admission re-matches and locks each request it takes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from radixlm.runtime.managers.req import Req
+
+CACHE_AWARE = ("lpm", "dfs-weight")
+CACHE_AWARE_MAX_QUEUE = 128   # beyond this, matching every waiting prompt costs more than it saves
+
+
+def order_fcfs(waiting: list[Req], tree) -> list[Req]:
+    return sorted(waiting, key=lambda r: r.arrival_time)
+
+
+def order_lof(waiting: list[Req], tree) -> list[Req]:
+    return sorted(waiting, key=lambda r: (-r.sampling_params.max_new_tokens, r.arrival_time))
+
+
+def order_random(waiting: list[Req], tree) -> list[Req]:
+    out = list(waiting)
+    random.shuffle(out)
+    return out
+
+
+def order_priority(waiting: list[Req], tree) -> list[Req]:
+    return sorted(waiting, key=lambda r: (-r.priority, r.arrival_time))
+
+
+def order_lpm(waiting: list[Req], tree) -> list[Req]:
+    """Longest cached prefix first."""
+    hit = {id(r): len(tree.match_prefix(r.all_ids[: r.max_prefix_for_match()]).kv_indices) for r in waiting}
+    return sorted(waiting, key=lambda r: (-hit[id(r)], r.arrival_time))
+
+
+def order_dfs_weight(waiting: list[Req], tree) -> list[Req]:
+    """Depth-first over the tree, heavier subtrees (more waiting requests) first, so requests that
+    share a prefix run back to back while it is still cached."""
+    at_node: dict[int, list[Req]] = defaultdict(list)
+    weight: dict[int, int] = defaultdict(int)
+    nodes = {}
+    for r in sorted(waiting, key=lambda r: r.arrival_time):
+        node = tree.match_prefix(r.all_ids[: r.max_prefix_for_match()]).last_node
+        at_node[id(node)].append(r)
+        while node is not None:
+            weight[id(node)] += 1
+            node = node.parent
+    out: list[Req] = []
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        out.extend(at_node.get(id(node), []))
+        kids = [c for c in node.children.values() if weight.get(id(c))]
+        stack.extend(sorted(kids, key=lambda c: weight[id(c)]))   # heaviest popped first
+    return out
+
+
+POLICIES: dict[str, Callable[[list[Req], object], list[Req]]] = {
+    "fcfs": order_fcfs, "lof": order_lof, "random": order_random, "priority": order_priority,
+    "lpm": order_lpm, "dfs-weight": order_dfs_weight,
+}
+
+
+def order_waiting(policy: str, waiting: list[Req], tree, radix_enabled: bool) -> list[Req]:
+    if policy in CACHE_AWARE and (not radix_enabled or len(waiting) > CACHE_AWARE_MAX_QUEUE):
+        policy = "fcfs"
+    return POLICIES[policy](waiting, tree)
+
+
+@dataclass
+class PrefillBudget:
+    """What one step may still take in.
+
+    rem_total_tokens: KV slots free or evictable, minus the decode growth reserved for running requests.
+    rem_input_tokens: new prompt tokens allowed in this step's batch (--max-prefill-tokens).
+    chunk_tokens: max new tokens for one request in one step (--chunked-prefill-size; None: no chunking).
+    rem_reqs: request rows left (--max-running-requests).
+    """
+
+    rem_total_tokens: int
+    rem_input_tokens: int
+    chunk_tokens: int | None
+    rem_reqs: int
+    page_size: int = 1
+    taken: list[tuple[Req, int]] = field(default_factory=list)
+
+    def take(self, req: Req, extend_len: int, reserve_decode: int) -> int:
+        """Returns how many of the request's `extend_len` tokens fit (0: none, stop admitting)."""
+        if self.rem_reqs <= 0 or self.rem_input_tokens <= 0:
+            return 0
+        n = min(extend_len, self.rem_input_tokens)
+        if self.chunk_tokens:
+            n = min(n, self.chunk_tokens)
+        if n < extend_len:   # a chunk ends on a page boundary so the tree can cache it
+            n = n // self.page_size * self.page_size
+        need = n + self.page_size + (reserve_decode if n == extend_len else 0)
+        if n <= 0 or need > self.rem_total_tokens:
+            return 0
+        self.rem_total_tokens -= need
+        self.rem_input_tokens -= n
+        self.rem_reqs -= 1
+        self.taken.append((req, n))
+        return n

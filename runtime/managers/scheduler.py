@@ -1,0 +1,236 @@
+"""The scheduler process: receive, plan, run, process. One loop, read aloud:
+
+    while True:
+        recv_requests()                 # new requests, aborts, control messages
+        batch = planner.plan(...)       # running decodes + chunked prefill + admitted waiting
+        logits = runner.forward(batch)  # one forward pass over the paged KV
+        process(batch, logits)          # sample, stop rules, radix cache, emit token ids
+
+When nothing can run it blocks on the socket (with a timeout for timers), so an idle server
+costs no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+
+import torch
+
+from radixlm.runtime.managers.batch_planner import BatchPlanner, StepBatch
+from radixlm.runtime.managers.grammar_queue import GrammarQueue
+from radixlm.runtime.managers.io_struct import (
+    AbortReq, BatchTokenIDOut, FlushCacheOut, FlushCacheReq, GetInternalStateOut, GetInternalStateReq,
+    SchedulerStats, TokenizedGenerateReq)
+from radixlm.runtime.managers.output_processor import OutputProcessor
+from radixlm.runtime.managers.req import Req
+from radixlm.runtime.model_executor.forward_batch import ForwardMode
+from radixlm.runtime.model_executor.model_runner import ModelRunner
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+STATS_INTERVAL = 0.5
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
+        self.args = server_args
+        self.tp_rank, self.dp_rank = tp_rank, dp_rank
+        self.runner = ModelRunner(server_args, tp_rank)
+        r = self.runner
+        self.tree = _make_tree(server_args, r)
+        self.planner = BatchPlanner(server_args, self.tree, r.req_to_token_pool, r.allocator, r.max_running_requests)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+        cfg = r.model_config
+        self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids, cfg.vocab_size, r.context_len,
+                                      r.device, jump_forward=not server_args.disable_jump_forward)
+        self.grammar = GrammarQueue(server_args, self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.outbox: list = []
+        self.gen_tokens = deque(maxlen=64)     # (time, tokens) per step, for throughput
+        self.last_stats = 0.0
+
+    # --------------------------------------------------------------- loop
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.grammar.pending)
+
+    def step(self) -> None:
+        """One scheduling step: abort/timeout housekeeping, plan, forward, process."""
+        self._handle_aborts()
+        self.waiting.extend(self.grammar.pop_ready(self._finish_early))
+        batch, _ = self.planner.plan(self.running, self.waiting)
+        if batch.reqs:
+            self._run_batch(batch)
+        self._flush_outputs()
+
+    def _run_batch(self, batch: StepBatch) -> None:
+        r = self.runner
+        mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
+        ids: list[int] = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            ids.extend(req.token_slice(req.cached_len, req.cached_len + n))
+        rows = [req.req_pool_idx for req in batch.reqs]
+        ends = [req.cached_len + n for req, n in zip(batch.reqs, batch.extend_lens)]
+        fb = r.make_forward_batch(mode, ids, rows, batch.prefix_lens, ends, batch.out_cache_loc)
+        lp_rows, spans = self.output.logprob_rows(batch)
+        logits = r.forward(fb, lp_rows)
+        self._process(batch, logits, spans)
+
+    def _process(self, batch: StepBatch, logits, spans) -> None:
+        out = self.output
+        if spans or any(r.wants_input_logprobs for r in batch.reqs):
+            out.record_input_logprobs(spans, logits.extra_logits, batch)
+        to_sample: list[tuple[int, Req]] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            was_prefill = req.cached_len < req.prompt_len
+            req.cached_len += n
+            req.forward_passes += 1
+            if req.cached_len < req.seq_len:           # mid-chunk: cache what exists so far
+                self.tree.cache_unfinished_req(req)
+                continue
+            if req.wants_input_logprobs:
+                req.input_logprobs_done = True
+            if was_prefill:
+                self.tree.cache_unfinished_req(req)
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = {"type": "length", "length": 0}
+                continue
+            to_sample.append((i, req))
+        if to_sample:
+            idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
+            reqs = [r for _, r in to_sample]
+            for req, tid in zip(reqs, out.sample(reqs, logits.next_token_logits[idx])):
+                out.append_token(req, tid)
+            self.gen_tokens.append((time.monotonic(), len(reqs)))
+        for req in batch.reqs:
+            if req.finished:
+                self._release(req)
+
+    def _release(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.req_pool_idx is not None:
+            self.tree.cache_finished_req(req)
+        self.outbox.append(self.output.make_output(req))
+
+    def _flush_outputs(self) -> None:
+        for req in self.running:
+            if self.output.should_emit(req):
+                self.outbox.append(self.output.make_output(req))
+        if self.outbox:
+            self.send(BatchTokenIDOut(self.outbox))
+            self.outbox = []
+        now = time.monotonic()
+        if now - self.last_stats > STATS_INTERVAL:
+            self.last_stats = now
+            self.send(self.stats())
+
+    # ---------------------------------------------------------- messages
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            req = Req.from_wire(msg)
+            if msg.sampling_params.constraint is not None:
+                self.grammar.add(req)
+            else:
+                self.waiting.append(req)
+        elif isinstance(msg, AbortReq):
+            self._mark_abort(msg.rid, msg.message)
+        elif isinstance(msg, FlushCacheReq):
+            self.send(self._flush_cache())
+        elif isinstance(msg, GetInternalStateReq):
+            self.send(GetInternalStateOut(self.internal_state()))
+        else:
+            logger.warning("scheduler ignored an unknown message %r", type(msg).__name__)
+
+    def _mark_abort(self, rid: str, message: str | None) -> None:
+        for req in [*self.waiting, *self.running, *self.grammar.pending]:
+            if not rid or req.rid == rid or req.group_rid == rid:
+                req.to_abort = message or "aborted"
+
+    def _handle_aborts(self) -> None:
+        now = time.monotonic()
+        for req in [*self.waiting, *self.running, *self.grammar.pending]:
+            if req.deadline is not None and now > req.deadline and req.to_abort is None:
+                req.to_abort = "timeout"
+            if req.to_abort is not None:
+                self._finish_early(req, {"type": "abort", "message": req.to_abort})
+
+    def _finish_early(self, req: Req, reason: dict) -> None:
+        """Finishes a request outside a forward pass (abort, timeout, grammar error)."""
+        req.finished_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.grammar.discard(req)
+        self._release(req)
+
+    def _flush_cache(self) -> FlushCacheOut:
+        if self.has_work():
+            return FlushCacheOut(False, "Cannot flush the cache while requests are running or waiting")
+        self.tree.reset()
+        self.runner.allocator.clear()
+        self.runner.req_to_token_pool.clear()
+        return FlushCacheOut(True, "Cache flushed")
+
+    # ------------------------------------------------------------- stats
+    def stats(self) -> SchedulerStats:
+        alloc = self.runner.allocator
+        evictable = self.tree.evictable_size()
+        used = alloc.size - alloc.available_size() - evictable
+        window = [(t, n) for t, n in self.gen_tokens if t > time.monotonic() - 5]
+        span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
+        tput = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_grammar_queue_reqs=len(self.grammar.pending), kv_used_tokens=used,
+            kv_evictable_tokens=evictable, max_total_tokens=alloc.size,
+            num_preemptions=self.planner.num_retractions, prefix_cache_queries=self.planner.prefix_queries,
+            prefix_cache_hits=self.planner.prefix_hits, gen_throughput=tput, dp_rank=self.dp_rank)
+
+    def internal_state(self) -> dict:
+        alloc, pool = self.runner.allocator, self.runner.req_to_token_pool
+        free, evictable = alloc.available_size(), self.tree.evictable_size()
+        return {
+            "kv_total_tokens": alloc.size, "kv_free_tokens": free, "kv_evictable_tokens": evictable,
+            "kv_protected_tokens": self.tree.protected_size(),
+            "kv_fully_free": free + evictable == alloc.size and not self.has_work(),
+            "req_rows_total": pool.size, "req_rows_free": pool.available_size(),
+            "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+            "num_retractions": self.planner.num_retractions, "radix_tree_tokens": self.tree.total_size(),
+            "prefix_cache_queries": self.planner.prefix_queries, "prefix_cache_hits": self.planner.prefix_hits,
+            **self.runner.info(),
+        }
+
+    def check_idle_invariants(self) -> None:
+        alloc = self.runner.allocator
+        ok = alloc.available_size() + self.tree.evictable_size() == alloc.size
+        ok = ok and self.runner.req_to_token_pool.available_size() == self.runner.req_to_token_pool.size
+        if not ok:
+            msg = f"KV leak at idle: {self.internal_state()}"
+            if self.args.debug_check_kv:
+                raise AssertionError(msg)
+            logger.error(msg)
+
+    def send(self, msg) -> None:     # replaced by the process wiring (rank 0 only sends)
+        pass
+
+
+def _make_tree(args: ServerArgs, runner: ModelRunner):
+    if args.disable_radix_cache:
+        from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
+
+        return ChunkCache(runner.req_to_token_pool, runner.allocator, runner.page_size)
+    from radixlm.runtime.mem_cache.radix_cache import RadixCache
+
+    return RadixCache(runner.req_to_token_pool, runner.allocator, runner.page_size)
+
+
+def set_torch_threads() -> None:
+    n = int(os.environ.get("RADIXLM_NUM_THREADS", "0")) or max(os.cpu_count() or 1, 1)
+    torch.set_num_threads(n)

@@ -1,0 +1,80 @@
+"""Process entry for a scheduler (one per TP rank, per DP replica) and its receive loop.
+
+Rank 0 of a TP group owns the sockets; with tp > 1 it broadcasts each step's received messages
+to the other ranks (torch.distributed, gloo group) so every rank runs the identical schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import traceback
+
+import zmq
+
+from radixlm.runtime.managers.io_struct import ChildFailed, SchedulerReady
+from radixlm.runtime.managers.ipc import PortArgs, Puller, Pusher
+from radixlm.runtime.managers.scheduler import IDLE_POLL_MS, Scheduler, set_torch_threads
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.utils import configure_logging, kill_self_with_parent
+
+logger = logging.getLogger(__name__)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, dp_rank: int,
+                          ready_writer) -> None:
+    prefix = f"scheduler dp{dp_rank} tp{tp_rank}" if server_args.dp_size > 1 else f"scheduler tp{tp_rank}"
+    configure_logging(server_args.log_level, prefix)
+    kill_self_with_parent()
+    set_torch_threads()
+    try:
+        scheduler = Scheduler(server_args, tp_rank, dp_rank)
+    except Exception as e:  # noqa: BLE001 - report any startup failure to the parent, then exit
+        logger.error("scheduler failed to start: %s", traceback.format_exc())
+        ready_writer.send(ChildFailed("scheduler", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    ctx = zmq.Context()
+    puller = Puller(ctx, port_args.scheduler_input_for(dp_rank)) if tp_rank == 0 else None
+    if tp_rank == 0:
+        pusher = Pusher(ctx, port_args.detokenizer_input)
+        scheduler.send = pusher.send
+    ready_writer.send(SchedulerReady(scheduler.runner.info()))
+    try:
+        event_loop(scheduler, puller)
+    except Exception:  # noqa: BLE001
+        logger.error("scheduler crashed: %s", traceback.format_exc())
+        sys.exit(1)
+
+
+def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
+    was_busy = False
+    while True:
+        busy = scheduler.has_work()
+        msgs = recv_messages(scheduler, puller, block=not busy)
+        for msg in msgs:
+            scheduler.handle(msg)
+        if scheduler.has_work():
+            scheduler.step()
+            was_busy = True
+        elif was_busy:                      # just went idle: final stats and a leak check
+            was_busy = False
+            scheduler.send(scheduler.stats())
+            scheduler.check_idle_invariants()
+
+
+def recv_messages(scheduler: Scheduler, puller: Puller | None, block: bool) -> list:
+    msgs: list = []
+    if puller is not None:
+        if block:
+            first = puller.recv(timeout_ms=IDLE_POLL_MS)
+            if first is not None:
+                msgs.append(first)
+        msgs.extend(puller.recv_nowait_all())
+    if scheduler.args.tp_size > 1:
+        from radixlm.runtime.distributed.parallel_state import broadcast_objects
+
+        msgs = broadcast_objects(msgs)
+    return msgs
+
+

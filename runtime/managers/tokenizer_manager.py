@@ -1,0 +1,495 @@
+"""TokenizerManager: the front of the runtime, living in the caller's asyncio loop.
+
+One request's path through it:
+
+    generate(obj)  validate + tokenize (ValueError before anything is sent), one ReqState per
+                   sub-request (a batch item, or one of n samples) --TokenizedGenerateReq--> scheduler
+    _recv_loop     BatchStrOut from the detokenizer: append text/ids/logprobs, wake the waiter
+    generate       yields SGLang-shaped dicts: one at the end, or cumulative chunks when streaming
+
+It also sends aborts and control requests (flush cache, internal state), keeps the latest
+SchedulerStats, feeds the optional metrics collector, and fails every pending request when the
+watchdog reports a dead child (`fail_all`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from radixlm.runtime.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReqInput,
+    GetInternalStateOut,
+    GetInternalStateReq,
+    ReqStrOut,
+    SchedulerStats,
+    TokenizedGenerateReq,
+)
+from radixlm.runtime.managers.ipc import AsyncPuller, AsyncPusher, PortArgs
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 1.0
+PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+
+
+def load_tokenizer(server_args: ServerArgs) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+
+
+@dataclass
+class ReqState:
+    """What the manager knows about one in-flight sub-request. Output lists are cumulative."""
+
+    rid: str
+    index: int                              # position in the caller's result list
+    notify: asyncio.Queue                   # shared by the sub-requests of one generate call
+    return_logprob: bool
+    text_in_logprobs: bool
+    prompt_tokens: int
+    created: float = field(default_factory=time.perf_counter)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    jump_forward_tokens: int = 0
+    logprobs: dict[str, list] = field(default_factory=lambda: {
+        "input_token_logprobs": [], "input_top_logprobs": [], "output_token_logprobs": [],
+        "output_top_logprobs": []})
+    last_token_time: float | None = None
+    yielded_len: int = -1                   # len(output_ids) at the last streamed chunk
+    error: str | None = None
+    reported: bool = False                  # on_request_finished was called
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any],
+                 metrics: Any = None):
+        self.server_args = server_args
+        self.port_args = port_args
+        self.scheduler_info = scheduler_info
+        self.metrics = metrics
+        self.tokenizer = load_tokenizer(server_args)
+        self.context_len: int = int(scheduler_info["context_len"])
+        self.vocab_size: int = int(scheduler_info.get("vocab_size") or len(self.tokenizer))
+        self.max_total_tokens: int | None = scheduler_info.get("max_total_tokens")
+        self.ctx = zmq.asyncio.Context()
+        self.puller = AsyncPuller(self.ctx, port_args.tokenizer_input)
+        self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
+                        for r in range(server_args.dp_size)]
+        self.dp_router: Callable[[TokenizedGenerateReq], int] | None = None   # set by a DP router
+        self._next_dp = 0
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.latest_stats: SchedulerStats | None = None
+        self.stats_by_dp_rank: dict[int, SchedulerStats] = {}
+        self.dead_message: str | None = None
+        self._token_text: dict[int, str] = {}
+        self._control_waiters: dict[type, deque[asyncio.Future]] = {FlushCacheOut: deque(),
+                                                                     GetInternalStateOut: deque()}
+        self._control_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recv_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Starts the receive loop on the running event loop (idempotent; every API call does it)."""
+        if self._recv_task is None:
+            self._loop = asyncio.get_running_loop()
+            self._control_lock = asyncio.Lock()
+            self._recv_task = self._loop.create_task(self._recv_loop())
+
+    def close(self) -> None:
+        """Stops the receive loop and closes the sockets. Call from the manager's loop (or after it stopped)."""
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        for sock in (self.puller, *self.senders):
+            sock.close()
+
+    def num_running_requests(self) -> int:
+        return len(self.rid_to_state)
+
+    def _check_alive(self) -> None:
+        if self.dead_message is not None:
+            raise RuntimeError(self.dead_message)
+
+    # ------------------------------------------------------------- generate
+    async def generate(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[dict | list[dict]]:
+        """Yields one result (dict, or list for a batch / n > 1), or cumulative chunks when
+        `obj.stream` (each chunk of a batch / n > 1 carries its "index"). Raises ValueError for bad
+        input (before anything is sent) and RuntimeError when the runtime failed."""
+        self.start()
+        self._check_alive()
+        reqs, is_single, text_in_logprobs = self._prepare(obj)
+        queue: asyncio.Queue = asyncio.Queue()
+        states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids))
+                  for i, r in enumerate(reqs)]
+        for st in states:
+            self.rid_to_state[st.rid] = st
+        self._send_generate(reqs)
+        watcher = asyncio.create_task(self._watch_disconnect(request, states)) if request is not None else None
+        try:
+            if obj.stream:
+                async for chunk in self._stream_chunks(states, is_single):
+                    yield chunk
+            else:
+                await self._wait_finished(states)
+                outs = [self._make_output(st, None) for st in states]
+                yield outs[0] if is_single else outs
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self._release(states)
+
+    async def _wait_finished(self, states: list[ReqState]) -> None:
+        queue = states[0].notify
+        while True:
+            for st in states:
+                if st.error is not None:
+                    raise RuntimeError(st.error)
+            if all(st.finished for st in states):
+                return
+            await queue.get()
+
+    async def _stream_chunks(self, states: list[ReqState], is_single: bool) -> AsyncIterator[dict]:
+        queue = states[0].notify
+        pending = set(range(len(states)))
+        while pending:
+            updated = {await queue.get()}
+            while not queue.empty():
+                updated.add(queue.get_nowait())
+            for i in sorted(updated):
+                st = states[i]
+                if st.error is not None:
+                    raise RuntimeError(st.error)
+                if i not in pending or (len(st.output_ids) == st.yielded_len and not st.finished):
+                    continue
+                st.yielded_len = len(st.output_ids)
+                if st.finished:
+                    pending.discard(i)
+                yield self._make_output(st, None if is_single else i)
+
+    def _release(self, states: list[ReqState]) -> None:
+        """Forgets the states of a finished call; aborts any sub-request still running (the caller
+        went away: client disconnect, cancelled task, closed stream, or an error)."""
+        for st in states:
+            if self.rid_to_state.get(st.rid) is st:
+                del self.rid_to_state[st.rid]
+            if not st.finished and st.error is None and self.dead_message is None:
+                self._send_all(AbortReq(st.rid, "client went away"))
+            self._report_finished(st, aborted=not st.finished or st.finish_reason.get("type") == "abort")
+
+    async def _watch_disconnect(self, request: Any, states: list[ReqState]) -> None:
+        while not all(st.finished for st in states):
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                for st in states:
+                    if not st.finished:
+                        logger.info("client disconnected: aborting %s", st.rid)
+                        self._send_all(AbortReq(st.rid, "client disconnected"))
+                return
+
+    def _send_generate(self, reqs: list[TokenizedGenerateReq]) -> None:
+        rank_of_group: dict[str, int] = {}     # n > 1 siblings go to one replica (shared prefill)
+        for req in reqs:
+            key = req.group_rid or req.rid
+            if key not in rank_of_group:
+                rank_of_group[key] = self._pick_dp_rank(req)
+            if self.server_args.log_requests:
+                logger.info("request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
+            self.senders[rank_of_group[key]].send_nowait(req)
+
+    def _pick_dp_rank(self, req: TokenizedGenerateReq) -> int:
+        if self.dp_router is not None:
+            return self.dp_router(req)
+        rank = self._next_dp % len(self.senders)
+        self._next_dp += 1
+        return rank
+
+    def _send_all(self, msg: Any) -> None:
+        for sender in self.senders:
+            sender.send_nowait(msg)
+
+    # ------------------------------------------------------------ validation
+    def _prepare(self, obj: GenerateReqInput) -> tuple[list[TokenizedGenerateReq], bool, bool]:
+        """Normalizes single/batch input into wire requests (n > 1 expanded). Raises ValueError."""
+        items, is_single = self._split_items(obj)
+        texts = [it["text"] for it in items if it.get("text") is not None]
+        encoded = iter(self.tokenizer(texts)["input_ids"]) if texts else iter(())
+        reqs: list[TokenizedGenerateReq] = []
+        for i, it in enumerate(items):
+            ids = list(next(encoded)) if it.get("text") is not None else it["input_ids"]
+            where = "" if is_single else f"item {i}: "
+            try:
+                reqs.extend(self._make_reqs(it, ids, obj))
+            except ValueError as e:
+                raise ValueError(f"{where}{e}") from None
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids) or any(rid in self.rid_to_state for rid in rids):
+            raise ValueError("Duplicate request id (rid) among the requests in flight")
+        return reqs, is_single and len(reqs) == 1, bool(obj.return_text_in_logprobs)
+
+    def _split_items(self, obj: GenerateReqInput) -> tuple[list[dict[str, Any]], bool]:
+        """One dict of per-item fields for each prompt of the request."""
+        if (obj.text is None) == (obj.input_ids is None):
+            raise ValueError("Exactly one of `text` and `input_ids` must be given")
+        if obj.text is not None:
+            if isinstance(obj.text, str):
+                prompts, is_single = [obj.text], True
+            elif isinstance(obj.text, list) and all(isinstance(t, str) for t in obj.text):
+                prompts, is_single = list(obj.text), False
+            else:
+                raise ValueError("`text` must be a string or a list of strings")
+            key = "text"
+        else:
+            ids = obj.input_ids
+            if not isinstance(ids, list):
+                raise ValueError("`input_ids` must be a list of token ids or a list of such lists")
+            is_single = not ids or not isinstance(ids[0], list)
+            prompts = [ids] if is_single else ids
+            key = "input_ids"
+        if not prompts:
+            raise ValueError("The batch is empty")
+        items = [{key: p} for p in prompts]
+        for name in PER_ITEM_FIELDS:
+            value = getattr(obj, name)
+            if isinstance(value, list):
+                if is_single or len(value) != len(items):
+                    raise ValueError(f"`{name}` must be a single value or a list with one entry per prompt")
+                for it, v in zip(items, value, strict=True):
+                    it[name] = v
+            elif name == "rid" and value is not None and not is_single:
+                raise ValueError("`rid` must be a list with one id per prompt for a batch")
+            else:
+                for it in items:
+                    it[name] = value
+        return items, is_single
+
+    def _make_reqs(self, it: dict[str, Any], ids: Any, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
+        self._check_ids(ids)
+        raw_params = it["sampling_params"]
+        params = SamplingParams.from_dict(raw_params)
+        params.verify_vocab(self.vocab_size)
+        self._check_lengths(len(ids), params, explicit=bool(raw_params) and raw_params.get("max_new_tokens")
+                            is not None)
+        start = it["logprob_start_len"]
+        start = -1 if start is None else start
+        top_n = it["top_logprobs_num"] or 0
+        if not isinstance(start, int) or start < -1:
+            raise ValueError("logprob_start_len must be -1 (output only) or a prompt position >= 0")
+        if not isinstance(top_n, int) or not 0 <= top_n <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}]")
+        rid = it["rid"] if it["rid"] is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("rid must be a non-empty string")
+        base = dict(input_ids=list(ids), return_logprob=bool(it["return_logprob"]), logprob_start_len=start,
+                    top_logprobs_num=top_n, stream=bool(obj.stream), priority=obj.priority or 0,
+                    timeout=obj.timeout if obj.timeout is not None else self.server_args.request_timeout)
+        if params.n == 1:
+            return [TokenizedGenerateReq(rid=rid, sampling_params=params, **base)]
+        return [TokenizedGenerateReq(rid=f"{rid}-{j}", sampling_params=_sample_params(params, j),
+                                     group_rid=rid, **base) for j in range(params.n)]
+
+    def _check_ids(self, ids: Any) -> None:
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("The input is empty: give a non-empty prompt")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"Input token id {t!r} is not an integer in [0, {self.vocab_size})")
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams, explicit: bool) -> None:
+        """Prompt and output must fit the context; an implicit max_new_tokens is clamped to it."""
+        ctx = self.context_len
+        if prompt_len > ctx or (prompt_len == ctx and params.max_new_tokens > 0):
+            raise ValueError(f"The input has {prompt_len} tokens, which does not leave room to generate "
+                             f"in the model's context length of {ctx} tokens")
+        if explicit and prompt_len + params.max_new_tokens > ctx:
+            raise ValueError(f"Requested {prompt_len} prompt tokens + {params.max_new_tokens} max_new_tokens "
+                             f"= {prompt_len + params.max_new_tokens}, more than the context length of {ctx}")
+        params.max_new_tokens = min(params.max_new_tokens, ctx - prompt_len)
+        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+        if self.max_total_tokens and prompt_len + params.max_new_tokens > self.max_total_tokens:
+            raise ValueError(f"The request needs up to {prompt_len + params.max_new_tokens} tokens of KV cache, "
+                             f"but the KV pool holds only {self.max_total_tokens}")
+
+    # --------------------------------------------------------------- output
+    def _make_output(self, st: ReqState, index: int | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": st.completion_tokens, "cached_tokens": st.cached_tokens,
+            "e2e_latency": time.perf_counter() - st.created, "jump_forward_tokens": st.jump_forward_tokens}
+        if st.return_logprob:
+            meta.update({k: list(v) for k, v in st.logprobs.items()})
+        out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+        if index is not None:
+            out["index"] = index
+        return out
+
+    def _triples(self, pairs: list | None, with_text: bool) -> list:
+        return [self._triple(p, with_text) for p in pairs or []]
+
+    def _triple(self, pair: Any, with_text: bool) -> list:
+        logprob, tid = pair
+        return [logprob, tid, self.token_text(tid) if with_text else None]
+
+    def _top_triples(self, tops: list | None, with_text: bool) -> list:
+        return [None if top is None else self._triples(top, with_text) for top in tops or []]
+
+    def token_text(self, tid: int) -> str:
+        """Non-empty display text of one token (special tokens included)."""
+        text = self._token_text.get(tid)
+        if text is None:
+            text = self.tokenizer.decode([tid], skip_special_tokens=False) or \
+                str(self.tokenizer.convert_ids_to_tokens(tid)) or f"<{tid}>"
+            self._token_text[tid] = text
+        return text
+
+    # -------------------------------------------------------------- receive
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.puller.recv()
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the loop
+                logger.exception("failed to handle %s", type(msg).__name__)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOut):
+            now = time.perf_counter()
+            for item in msg.outputs:
+                st = self.rid_to_state.get(item.rid)
+                if st is not None:
+                    self._update(st, item, now)
+        elif isinstance(msg, SchedulerStats):
+            self.latest_stats = msg
+            self.stats_by_dp_rank[msg.dp_rank] = msg
+            if self.metrics is not None:
+                self.metrics.update_scheduler_stats(msg)
+        elif type(msg) in self._control_waiters:
+            waiters = self._control_waiters[type(msg)]
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(msg)
+                    break
+        else:
+            logger.warning("tokenizer manager ignored a %s", type(msg).__name__)
+
+    def _update(self, st: ReqState, item: ReqStrOut, now: float) -> None:
+        tok = item.token
+        st.text += item.text_delta
+        st.output_ids.extend(tok.new_token_ids)
+        st.prompt_tokens, st.cached_tokens = tok.prompt_tokens, tok.cached_tokens
+        st.completion_tokens, st.jump_forward_tokens = tok.completion_tokens, tok.jump_forward_tokens
+        if st.return_logprob:
+            lp, t = st.logprobs, st.text_in_logprobs
+            lp["input_token_logprobs"] += self._triples(tok.input_token_logprobs, t)
+            lp["input_top_logprobs"] += self._top_triples(tok.input_top_logprobs, t)
+            lp["output_token_logprobs"] += self._triples(tok.output_token_logprobs, t)
+            lp["output_top_logprobs"] += self._top_triples(tok.output_top_logprobs, t)
+        self._observe_latency(st, len(tok.new_token_ids), now)
+        if tok.finish_reason is not None:
+            st.finish_reason = dict(tok.finish_reason)
+            if self.server_args.log_requests:
+                logger.info("finished %s: %s, %r", st.rid, st.finish_reason, st.text)
+        st.notify.put_nowait(st.index)
+
+    def _observe_latency(self, st: ReqState, num_new: int, now: float) -> None:
+        if num_new == 0:
+            return
+        if self.metrics is not None:
+            if st.last_token_time is None:
+                self.metrics.observe_ttft(now - st.created)
+                num_new -= 1
+            gap = (now - (st.last_token_time or now)) / max(num_new, 1)
+            for _ in range(num_new):
+                self.metrics.observe_itl(gap)
+        st.last_token_time = now
+
+    def _report_finished(self, st: ReqState, aborted: bool) -> None:
+        if st.reported or self.metrics is None:
+            st.reported = True
+            return
+        st.reported = True
+        self.metrics.on_request_finished(st.prompt_tokens, st.completion_tokens,
+                                         time.perf_counter() - st.created, aborted)
+
+    # -------------------------------------------------------------- control
+    def abort_request(self, rid: str) -> None:
+        """Aborts one request, an n > 1 group (by its rid), or everything (rid ""). Thread-unsafe:
+        call it from the manager's loop."""
+        self._send_all(AbortReq(rid))
+
+    async def flush_cache(self) -> FlushCacheOut:
+        outs = await self._control(FlushCacheReq(), FlushCacheOut)
+        ok = all(o.success for o in outs)
+        return FlushCacheOut(ok, "; ".join(dict.fromkeys(o.message for o in outs if o.message)))
+
+    async def get_internal_state(self) -> dict[str, Any]:
+        outs = await self._control(GetInternalStateReq(), GetInternalStateOut)
+        if len(outs) == 1:
+            return outs[0].state
+        return {**outs[0].state, "dp_states": [o.state for o in outs]}
+
+    async def _control(self, req: Any, reply_type: type) -> list[Any]:
+        """Sends a control request to every replica and waits for one reply each (FIFO matching)."""
+        self.start()
+        self._check_alive()
+        async with self._control_lock:
+            futs = [self._loop.create_future() for _ in self.senders]
+            self._control_waiters[reply_type].extend(futs)
+            self._send_all(req)
+            return list(await asyncio.gather(*futs))
+
+    def fail_all(self, message: str) -> None:
+        """Fails every pending request and control call with RuntimeError(message); later calls
+        fail at once. Safe to call from any thread (the watchdog calls it)."""
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and running is not loop and not loop.is_closed():
+            self.dead_message = self.dead_message or message
+            loop.call_soon_threadsafe(self._fail_all_now, message)
+        else:
+            self._fail_all_now(message)
+
+    def _fail_all_now(self, message: str) -> None:
+        self.dead_message = self.dead_message or message
+        for st in list(self.rid_to_state.values()):
+            if not st.finished:
+                st.error = message
+                st.notify.put_nowait(st.index)
+        for waiters in self._control_waiters.values():
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(RuntimeError(message))
+
+
+def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of sample j of an n > 1 request: n = 1, and a distinct seed when one is set."""
+    seed = None if params.sampling_seed is None else params.sampling_seed + j
+    return dataclasses.replace(params, n=1, sampling_seed=seed)

@@ -1,0 +1,133 @@
+"""Paged KV memory: the req->token table, the slot/page allocator, and the per-layer K/V buffers.
+
+Slot numbering (page_size P):
+
+    slots [0, P)                 page 0, reserved: padded writes land here and are never read
+    slots [P, (num_pages+1)*P)   pages 1..num_pages, handed out by TokenToKVPoolAllocator
+
+A request owns whole pages. Its table row `req_to_token[row, :seq_len]` holds the slot of every
+token; tokens [k*P, (k+1)*P) of a request always sit in one page, so a prefix matched from the
+radix tree (page-aligned) ends on a page boundary and the request's own tail page is private.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of an int32 table `[size, context_len]`; a running request holds one row."""
+
+    def __init__(self, size: int, context_len: int, device: str | torch.device):
+        self.size = size
+        self.context_len = context_len
+        self.req_to_token = torch.zeros((size, context_len), dtype=torch.int32, device=device)
+        self._free_rows = list(range(size))
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slots in whole pages. `free` takes slot indices and returns their pages.
+
+    Not thread-safe; only the scheduler loop touches it.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu"):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.size = num_pages * page_size          # usable token slots
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        """Free token slots (whole free pages only)."""
+        return int(self._free_pages.numel()) * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for `num_tokens` fresh tokens starting on a page boundary (None if out of memory)."""
+        need = -(-num_tokens // self.page_size)
+        pages = self._take_pages(need)
+        if pages is None:
+            return None
+        return self._page_slots(pages)[:num_tokens]
+
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int],
+                     last_locs: list[int]) -> torch.Tensor | None:
+        """Slots for tokens [prefix_len, seq_len) of each request, concatenated in request order.
+
+        `last_locs[i]` is the slot of token prefix_len-1 (ignored when prefix_len == 0). Tokens that
+        still fit in that token's page continue it; the rest go to new pages. All-or-nothing.
+        """
+        P = self.page_size
+        if P == 1:
+            return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+        new_pages = sum(-(-s // P) - -(-p // P) for p, s in zip(prefix_lens, seq_lens))
+        pages = self._take_pages(new_pages)
+        if pages is None:
+            return None
+        out, cursor = [], 0
+        for p, s, last in zip(prefix_lens, seq_lens, last_locs):
+            # region [p, min(s, ceil(p/P)*P)) continues the partially filled page of `last`
+            fill_end = min(s, -(-p // P) * P)
+            if fill_end > p:
+                out.append(torch.arange(last + 1, last + 1 + fill_end - p, dtype=torch.int64))
+            n_new = -(-s // P) - -(-p // P)
+            if n_new:
+                slots = self._page_slots(pages[cursor:cursor + n_new])
+                out.append(slots[: s - fill_end])
+                cursor += n_new
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return the pages that hold `slots`. The caller must own every slot of those pages."""
+        if slots.numel() == 0:
+            return
+        pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size)
+        self._free_pages = torch.cat([self._free_pages, pages])
+
+    # ----------------------------------------------------------- helpers
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n > self._free_pages.numel():
+            return None
+        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        return pages
+
+    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        offs = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages[:, None] * self.page_size + offs[None, :]).reshape(-1)
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape `[num_slots, kv_heads, head_dim]` (num_slots includes page 0)."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        self.page_size = page_size
+        self.num_slots = (num_pages + 1) * page_size
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        shape = (self.num_slots, kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [num_tokens, kv_heads, head_dim]; loc: [num_tokens]
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

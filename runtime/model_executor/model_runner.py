@@ -1,0 +1,166 @@
+"""ModelRunner: owns the model weights, the KV memory and the attention backend of one TP rank.
+
+    runner = ModelRunner(server_args)
+    fb = runner.make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc)
+    out = runner.forward(fb, extra_logit_rows)      # LogitsOutput
+
+
+The scheduler decides what to run and owns the allocator bookkeeping; the runner only computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.layers.attention.base import create_backend
+from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.models.model_config import ModelConfig
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CAP_BYTES = 4 << 30       # never take more than this for KV on CPU by default
+CPU_MAX_TOTAL_TOKENS = 1 << 18   # nor more slots than this
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor          # [bs, vocab] float32, at each request's last new token
+    extra_logits: torch.Tensor | None        # [len(extra_logit_rows), vocab] float32
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0):
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        self.device = torch.device(server_args.device if server_args.device != "cuda"
+                                   else f"cuda:{tp_rank % max(torch.cuda.device_count(), 1)}")
+        torch.manual_seed(server_args.random_seed)
+        self.model_config = ModelConfig.from_path(server_args.model_path, dtype=server_args.dtype,
+                                                  context_length=server_args.context_length)
+        self._init_distributed()
+        from radixlm.runtime.models.weight_loader import load_model
+
+        self.model = load_model(self.model_config, self.device)
+        self.dtype = self.model_config.dtype
+        self.page_size = server_args.page_size
+        self._init_memory()
+        self.attn_backend = create_backend(
+            self._pick_backend(), num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
+            head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------- setup
+    def _pick_backend(self) -> str:
+        name = self.server_args.attention_backend
+        if name == "flashinfer":
+            from radixlm.runtime.layers.attention.flashinfer_backend import flashinfer_unsupported_reason
+
+            reason = flashinfer_unsupported_reason(self.model_config.head_dim, self.dtype)
+            if reason:
+                logger.warning("flashinfer cannot run this model (%s); using torch_native", reason)
+                return "torch_native"
+        return name
+
+    def _init_distributed(self) -> None:
+        from radixlm.runtime.distributed import parallel_state as ps
+
+        tp = self.server_args.tp_size
+        cfg = self.model_config
+        if cfg.num_heads % tp:
+            raise ValueError(f"num_attention_heads ({cfg.num_heads}) is not divisible by --tp-size {tp}")
+        if tp > 1 and not ps.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            ps.init_tp_group(self.tp_rank, tp, backend, f"tcp://{self.server_args.dist_init_addr}")
+        self.num_local_heads = cfg.num_heads // tp
+        self.num_local_kv_heads = max(cfg.num_kv_heads // tp, 1)
+
+    def _init_memory(self) -> None:
+        cfg, args = self.model_config, self.server_args
+        self.kv_bytes_per_token = KVCache.bytes_per_token(cfg.num_layers, self.num_local_kv_heads,
+                                                          cfg.head_dim, self.dtype)
+        if args.max_total_tokens:
+            total = args.max_total_tokens
+        else:
+            total = self._profile_kv_tokens()
+        num_pages = max(total // self.page_size, 2)
+        self.max_total_tokens = num_pages * self.page_size
+        self.context_len = cfg.context_len
+        self.max_running_requests = args.max_running_requests or min(
+            256, max(self.max_total_tokens // 8, 4))
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, self.page_size, self.device)
+        self.kv_cache = KVCache(num_pages, self.page_size, cfg.num_layers, self.num_local_kv_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        logger.info(
+            "KV cache: %d bytes/token, max_total_tokens=%d, max_running_requests=%d, "
+            "max concurrent requests at full context (%d tokens)=%.2f",
+            self.kv_bytes_per_token, self.max_total_tokens, self.max_running_requests, self.context_len,
+            self.max_total_tokens / self.context_len)
+
+    def _profile_kv_tokens(self) -> int:
+        frac = self.server_args.mem_fraction_static
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * frac - (total - free)
+            tokens = int(budget // self.kv_bytes_per_token)
+        else:
+            avail = _available_ram_bytes()
+            budget = min(avail * frac - weight_bytes, CPU_KV_CAP_BYTES)
+            tokens = min(int(budget // self.kv_bytes_per_token), CPU_MAX_TOTAL_TOKENS)
+        if tokens < self.page_size * 16:
+            raise RuntimeError(f"Not enough memory for the KV cache (room for {tokens} tokens). "
+                               "Lower the context length or raise --mem-fraction-static / --max-total-tokens.")
+        return tokens
+
+    def info(self) -> dict:
+        cfg = self.model_config
+        return {
+            "model_path": self.server_args.model_path, "tokenizer_path": self.server_args.tokenizer_path,
+            "architecture": cfg.architecture, "context_len": self.context_len, "vocab_size": cfg.vocab_size,
+            "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
+            "page_size": self.page_size, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "eos_token_ids": list(cfg.eos_token_ids), "is_generation": True, "dtype": str(self.dtype),
+            "device": str(self.device), "attention_backend": self.server_args.attention_backend,
+            "max_concurrent_requests_at_context_len": self.max_total_tokens / self.context_len,
+        }
+
+    # ----------------------------------------------------------- forward
+    def make_forward_batch(self, mode: ForwardMode, input_ids: list[int], rows: list[int],
+                           prefix_lens: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
+        fb = ForwardBatch.build(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc,
+                                self.req_to_token_pool, self.kv_cache, self.device)
+        fb.attn_backend = self.attn_backend
+        return fb
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, extra_logit_rows: list[int] | None = None) -> LogitsOutput:
+        """Runs the model; returns logits at each request's last new token, plus at `extra_logit_rows`
+        (flat token rows of this batch, for input logprobs)."""
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)            # [num_tokens, hidden]
+        last_rows = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
+        extra = extra_logit_rows or []
+        if extra:
+            rows = torch.cat([last_rows, torch.tensor(extra, device=hidden.device)])
+        else:
+            rows = last_rows
+        logits = self.model.compute_logits(hidden[rows]).float()
+        bs = fb.batch_size
+        return LogitsOutput(logits[:bs], logits[bs:] if extra else None)
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,188 @@
+"""The Llama-family decoder (Llama, Mistral; Qwen2 and Qwen3 are option presets in their own files).
+
+    embed_tokens -> N x [x += attn(norm(x)); x += mlp(norm(x))] -> norm -> (lm_head in compute_logits)
+
+Attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rope, RadixAttention over
+the paged KV cache, row-parallel o_proj. Checkpoint names (q/k/v_proj, gate/up_proj) are remapped
+onto the fused parameters in `load_weights`; `forward` is plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixlm.runtime.layers.activation import SiluAndMul
+from radixlm.runtime.layers.attention.base import RadixAttention
+from radixlm.runtime.layers.layernorm import RMSNorm
+from radixlm.runtime.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from radixlm.runtime.layers.rotary import RotaryEmbedding
+from radixlm.runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# checkpoint name piece -> (fused parameter name piece, shard id)
+STACKED_PARAMS: dict[str, tuple[str, object]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+@dataclass(frozen=True)
+class LlamaOptions:
+    """The few ways the Llama-family models differ."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False      # RMSNorm over head_dim on q and k before rope (Qwen3)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, bias: bool):
+        super().__init__()
+        act = config.hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"Unsupported hidden_act {act!r}; only 'silu' is supported")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, options: LlamaOptions, layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        head_dim = config.head_dim
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads,
+                                          bias=options.qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=options.o_bias)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.rotary_emb = rotary_emb  # shared by every layer
+        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
+                                   scaling=head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        # hidden: [n, hidden]; q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            q = self._norm_per_head(q, self.q_norm)
+            k = self._norm_per_head(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+    def _norm_per_head(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, options: LlamaOptions, layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, options, layer_id, rotary_emb)
+        self.mlp = LlamaMLP(config, options.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, options: LlamaOptions):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, i, rotary_emb) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids [n], positions [n], forward_batch) -> hidden [n, hidden]` (final-normed);
+    `compute_logits(hidden [m, hidden]) -> [m, vocab] float32`."""
+
+    @classmethod
+    def options_for(cls, config: ModelConfig) -> LlamaOptions:
+        return LlamaOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                            mlp_bias=config.mlp_bias)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.options_for(config))
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors into the (fused, sharded) parameters.
+
+        Returns the names of the parameters that are now fully loaded (a fused parameter counts
+        once all its shards arrived). Unknown checkpoint names are logged and skipped.
+        """
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[object]] = {}
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if ckpt_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the lm head
+            name, shard_id = remap_checkpoint_name(ckpt_name)
+            param = params.get(name)
+            if param is None:
+                logger.warning("Skipping checkpoint tensor %s: the model has no such parameter", ckpt_name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, shard_id)
+            shards_seen.setdefault(name, set()).add(shard_id)
+        return {name for name, seen in shards_seen.items() if len(seen) == _shards_needed(name)}
+
+
+def remap_checkpoint_name(ckpt_name: str) -> tuple[str, object]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 'k'); others unchanged."""
+    parts = ckpt_name.split(".")
+    for i, part in enumerate(parts):
+        if part in STACKED_PARAMS:
+            fused, shard_id = STACKED_PARAMS[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1:]]), shard_id
+    return ckpt_name, None
+
+
+def _shards_needed(param_name: str) -> int:
+    for fused, count in SHARDS_PER_FUSED.items():
+        if f".{fused}." in param_name:
+            return count
+    return 1

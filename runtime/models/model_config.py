@@ -1,0 +1,196 @@
+"""ModelConfig: what the runtime needs from an HF model folder, read from config.json directly.
+
+Accepts both config.json forms: transformers 5 (`rope_parameters`, `dtype`) and the older one
+(top-level `rope_theta`, `rope_scaling`, `torch_dtype`). Every problem a user can cause (bad path,
+unsupported architecture or rope, too long a context) raises `ModelLoadError` with a plain message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime.layers.rotary import SUPPORTED_ROPE_TYPES
+from radixlm.runtime.models.registry import SUPPORTED_ARCHITECTURES
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+class ModelLoadError(ValueError):
+    """A model cannot be used as asked; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str                      # the local model folder (downloaded from the hub if needed)
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    context_len: int
+    dtype: torch.dtype
+    eos_token_ids: list[int]
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict | None      # HF rope parameters with "rope_type"; None for plain rope
+    attention_bias: bool
+    mlp_bias: bool
+    hf_config: dict = field(repr=False)
+
+    @staticmethod
+    def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
+                  revision: str | None = None) -> ModelConfig:
+        """Reads `path`/config.json (resolving a hub id first if `path` is not a local folder)."""
+        folder = resolve_model_path(path, revision)
+        hf = _read_json(folder / "config.json")
+        if hf is None:
+            raise ModelLoadError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
+        arch = _check_architecture(hf)
+        try:
+            return ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length)
+        except KeyError as err:
+            raise ModelLoadError(f"{str(folder / 'config.json')!r} lacks the field {err.args[0]!r}") from None
+
+    @staticmethod
+    def _from_hf(folder: str, hf: dict, arch: str, dtype: str, context_length: int | None) -> ModelConfig:
+        num_heads = int(hf["num_attention_heads"])
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        theta, scaling = _rope_settings(hf)
+        return ModelConfig(
+            path=folder,
+            architecture=arch,
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            num_layers=int(hf["num_hidden_layers"]),
+            vocab_size=int(hf["vocab_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            context_len=_context_len(context_length, max_pos),
+            dtype=_resolve_dtype(dtype, hf),
+            eos_token_ids=_eos_token_ids(hf, _read_json(Path(folder) / "generation_config.json") or {}),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hf_config=hf,
+        )
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads each TP rank stores (kv heads are replicated when tp_size > num_kv_heads)."""
+        return max(1, self.num_kv_heads // tp_size)
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raises ModelLoadError unless the heads split evenly over `tp_size` ranks."""
+        if self.num_heads % tp_size != 0:
+            raise ModelLoadError(f"num_attention_heads ({self.num_heads}) is not divisible by tp size ({tp_size})")
+        kv, tp = self.num_kv_heads, tp_size
+        if (kv >= tp and kv % tp != 0) or (kv < tp and tp % kv != 0):
+            raise ModelLoadError(f"num_key_value_heads ({kv}) and tp size ({tp}) must divide one another")
+
+
+def resolve_model_path(path: str, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub id fetched with huggingface_hub (clear error offline)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise ModelLoadError(f"Model path {path!r} is a file; pass the model folder that holds config.json")
+    if not _looks_like_hub_id(path):
+        raise ModelLoadError(f"Model path {path!r} does not exist (and is not a Hugging Face Hub id)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=path, revision=revision, allow_patterns=HUB_FILE_PATTERNS))
+    except Exception as err:  # network down, unknown repo, gated repo, offline mode, ...
+        raise ModelLoadError(
+            f"Model path {path!r} is not a local folder, and downloading it from the Hugging Face Hub failed "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). "
+            "Check the path, or the network and HF_TOKEN for hub ids."
+        ) from None
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return (not path.startswith((".", "/", "~")) and len(parts) <= 2 and all(parts)
+            and os.sep not in path.replace("/", ""))
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{str(path)!r} is not valid JSON: {err}") from None
+
+
+def _check_architecture(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    found = ", ".join(archs) if archs else "none listed in config.json"
+    raise ModelLoadError(f"Unsupported model architecture ({found}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope_settings(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from `rope_parameters` or `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, params
+
+
+def _context_len(context_length: int | None, max_pos: int) -> int:
+    if context_length is None:
+        return max_pos
+    if context_length <= 0:
+        raise ModelLoadError(f"context_length must be positive, got {context_length}")
+    if context_length > max_pos:
+        raise ModelLoadError(f"context_length {context_length} is larger than the model's "
+                             f"max_position_embeddings ({max_pos}); pass at most {max_pos}")
+    return context_length
+
+
+def _resolve_dtype(dtype: str, hf: dict) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 when config.json names none)."""
+    if dtype == "auto":
+        name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        name = str(name).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ModelLoadError(f"config.json has dtype {name!r}; pass --dtype explicitly")
+        return DTYPES[name]
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"Unknown dtype {dtype!r}; choose from auto, bfloat16, float16, float32")
+    return DTYPES[dtype]
+
+
+def _eos_token_ids(hf: dict, generation: dict) -> list[int]:
+    """eos ids from config.json then generation_config.json, deduplicated, in that order."""
+    ids: list[int] = []
+    for source in (hf.get("eos_token_id"), generation.get("eos_token_id")):
+        for tid in source if isinstance(source, list) else [source]:
+            if tid is not None and int(tid) not in ids:
+                ids.append(int(tid))
+    return ids

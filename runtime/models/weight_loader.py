@@ -1,0 +1,80 @@
+"""Reads safetensors checkpoints (single file or sharded with an index) and builds loaded models.
+
+Tensors are read one at a time from memory-mapped files, so loading never holds the whole
+checkpoint; each parameter's `weight_loader` keeps only this TP rank's slice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size
+from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
+from radixlm.runtime.models.registry import get_model_class
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The checkpoint files: those named by the index file if present, else every *.safetensors."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{INDEX_FILE} in {str(folder)!r} names missing files: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"No *.safetensors weights in {str(folder)!r} (only safetensors checkpoints load)")
+    return files
+
+
+def iterate_weights(folder: str | Path, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (checkpoint name, CPU tensor) for every tensor, file by file, with a progress bar."""
+    files = safetensors_files(folder)
+    bar = tqdm(files, desc="Loading safetensors", unit="file", disable=not show_progress)
+    for path in bar:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_progress: bool | None = None) -> nn.Module:
+    """Builds the model for `config` in `config.dtype` on `device` and loads its weights.
+
+    Raises ModelLoadError when the heads do not split over the TP size or a parameter gets no weight.
+    The progress bar shows on TP rank 0 only (unless `show_progress` says otherwise).
+    """
+    config.check_tp_size(get_tp_size())
+    model = build_model(config, device)
+    progress = get_tp_rank() == 0 if show_progress is None else show_progress
+    loaded = model.load_weights(iterate_weights(config.path, show_progress=progress))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"Checkpoint in {config.path!r} lacks weights for: {shown}")
+    return model.eval()
+
+
+def build_model(config: ModelConfig, device: str | torch.device) -> nn.Module:
+    """Instantiates the architecture's class with parameters in `config.dtype` on `device`
+    (parameter values are uninitialized until weights are loaded)."""
+    model_class = get_model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model

@@ -1,0 +1,189 @@
+"""SamplingParams: the validated, normalized form of a request's `sampling_params` dict.
+
+Field names and defaults follow SGLang's native API. `from_dict` accepts nulls for optional
+fields and `top_k: -1` (disabled), and raises ValueError with a message a client can act on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_MAX_TOP_K = 1 << 30
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling_seed: int | None = None
+
+    # ----------------------------------------------------------- parsing
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError("sampling_params must be an object")
+        known = cls.__dataclass_fields__
+        unknown = sorted(k for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+        kwargs = {k: v for k, v in d.items() if v is not None}
+        p = cls()
+        for name, value in kwargs.items():
+            setattr(p, name, _coerce(name, value, getattr(p, name)))
+        p.normalize()
+        p.validate()
+        return p
+
+    def normalize(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k in (0, -1) or self.top_k >= _MAX_TOP_K:
+            self.top_k = -1
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            import json
+
+            self.json_schema = json.dumps(self.json_schema)
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(f"{name} must be a finite number")
+        if self.temperature < 0:
+            bad("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p must be in [0, 1]")
+        if self.top_k < -1:
+            bad("top_k must be -1 (disabled) or >= 1")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty must be in [-2, 2]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty must be in (0, 2]")
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens must be >= 0")
+        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens must be in [0, max_new_tokens]")
+        if self.n < 1 or self.n > 128:
+            bad("n must be in [1, 128]")
+        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
+            bad("Only one of regex, json_schema and ebnf may be set")
+        if len(self.stop) > 32:
+            bad("at most 32 stop strings are allowed")
+        for tid in self.stop_token_ids:
+            if tid < 0:
+                bad("stop_token_ids must be non-negative")
+        for tid, bias in self.logit_bias.items():
+            if not math.isfinite(bias):
+                bad("logit_bias values must be finite")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model's vocabulary size."""
+        for tid in self.logit_bias:
+            if not 0 <= tid < vocab_size:
+                raise ValueError(f"logit_bias token id {tid} is out of range [0, {vocab_size})")
+        for tid in self.stop_token_ids:
+            if tid >= vocab_size:
+                raise ValueError(f"stop token id {tid} is out of range [0, {vocab_size})")
+
+    # -------------------------------------------------------------- views
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec) of the grammar constraint, if any."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """Type-check one field; ints are accepted where floats are expected, never bool for numbers."""
+    if name == "logit_bias":
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+        out = {}
+        for k, v in value.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias key {k!r} is not a token id") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError("logit_bias values must be numbers")
+            out[tid] = float(v)
+        return out
+    if name == "stop":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return list(value)
+        raise ValueError("stop must be a string or a list of strings")
+    if name == "stop_token_ids":
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return list(value)
+        raise ValueError("stop_token_ids must be a list of integers")
+    if name == "json_schema":
+        if isinstance(value, (str, dict)):
+            return value
+        raise ValueError("json_schema must be a string or an object")
+    if name == "sampling_seed":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError("sampling_seed must be an integer")
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise ValueError(f"{name} must be an integer")
+        return int(value)
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number")
+        return float(value)
+    if default is None or isinstance(default, str):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string")
+        return value
+    return value

@@ -1,0 +1,168 @@
+"""ServerArgs: every knob of the runtime in one frozen dataclass.
+
+The argparse parser is built from the fields (name -> `--name-with-dashes`, the `help` metadata
+becomes the help text), so a flag and its field can never drift apart. Derived values are
+properties or are resolved once in `resolved()`; nothing else mutates the args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
+ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if "default_factory" in kw:
+        return field(default_factory=kw["default_factory"], metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # --- model and tokenizer
+    model_path: str | None = _f(None, "Local folder or hub id of the model. Default: the bundled demo model.")
+    tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
+    served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
+    chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")
+    dtype: str = _f("auto", "Weight and activation dtype.", ("auto", "bfloat16", "float16", "float32"))
+    device: str = _f("auto", "Device to run on (auto picks cuda when available).", ("auto", "cpu", "cuda"))
+    context_length: int | None = _f(None, "Max tokens per request (prompt + output). Default: the model's.")
+    trust_remote_code: bool = _f(False, "Accepted for compatibility; custom model code is never run.")
+    # --- memory
+    mem_fraction_static: float = _f(0.8, "Fraction of free memory (GPU, or RAM on CPU) for weights + KV.")
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides --mem-fraction-static).")
+    max_running_requests: int | None = _f(None, "Max requests decoding at once (default: derived from KV).")
+    page_size: int = _f(1, "Tokens per KV page.")
+    # --- scheduling
+    chunked_prefill_size: int = _f(8192, "Max prompt tokens prefilled for one request per step (-1: off).")
+    max_prefill_tokens: int = _f(16384, "Max new prompt tokens in one prefill batch.")
+    schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _f(1.0, "Scales the reserved decode-growth estimate (higher is safer).")
+    disable_radix_cache: bool = _f(False, "Turn off prefix caching (ChunkCache).")
+    max_queued_requests: int | None = _f(None, "Reject new requests with 503 when this many are waiting.")
+    request_timeout: float | None = _f(None, "Abort requests that run longer than this many seconds.")
+    max_request_bytes: int = _f(8 * 1024 * 1024, "Refuse HTTP bodies larger than this with 413.")
+    # --- kernels and features
+    attention_backend: str | None = _f(None, "Attention kernels (default: flashinfer on CUDA, else torch_native).",
+                                       ATTENTION_BACKENDS)
+    disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
+    grammar_compile_timeout: float = _f(30.0, "Seconds allowed to compile one regex / JSON schema.")
+    constrained_json_whitespace_pattern: str | None = _f(None, "Regex for whitespace allowed inside JSON output.")
+    # --- parallelism
+    tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
+    dp_size: int = _f(1, "Data-parallel replicas behind the router.")
+    load_balance_method: str = _f("cache_aware", "How the DP router picks a replica.", LOAD_BALANCE_METHODS)
+    dist_init_addr: str | None = _f(None, "host:port for torch.distributed init (default: a free loopback port).")
+    nnodes: int = _f(1, "Number of nodes for tensor parallelism.")
+    node_rank: int = _f(0, "This node's rank.")
+    # --- server
+    host: str = _f("127.0.0.1", "HTTP host.")
+    port: int = _f(30000, "HTTP port.")
+    api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
+    log_level: str = _f("info", "Log level.", ("debug", "info", "warning", "error"))
+    log_requests: bool = _f(False, "Log every request's inputs and outputs (debug aid).")
+    enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
+    random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
+    watchdog_interval: float = _f(0.5, "Seconds between child-process liveness checks.")
+    debug_check_kv: bool = _f(False, "Assert free + evictable == total KV slots whenever the scheduler idles.")
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_)
+                continue
+            kind = _arg_type(f.type)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if default is not None:
+                help_ += f" (default: {default})"
+            parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help_)
+
+    @staticmethod
+    def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
+        return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+
+    @staticmethod
+    def from_kwargs(**kwargs: Any) -> ServerArgs:
+        """Build from Python keyword arguments (Engine, Runtime); unknown names are an error."""
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"Unknown server argument(s): {', '.join(unknown)}")
+        return ServerArgs(**kwargs)
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ derived
+    def resolved(self) -> ServerArgs:
+        """Fill in defaults that depend on the environment (model path, device, backend)."""
+        model_path = self.model_path or default_model_path()
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = self.attention_backend or ("flashinfer" if device == "cuda" else "torch_native")
+        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or model_path,
+                            device=device, attention_backend=backend)
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError("--tp-size and --dp-size must be >= 1")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("--max-total-tokens is too small")
+        if self.attention_backend == "flashinfer" and self.device == "cpu":
+            raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path or "default"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _arg_type(annotation: str) -> Any:
+    text = str(annotation)
+    if "int" in text and "float" not in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def default_model_path() -> str:
+    """The demo model shipped inside the package (see scripts/train_demo_model.py)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cand in (os.path.join(here, "radixlm", "demo_model"), os.path.join(here, "demo_model")):
+        if os.path.exists(os.path.join(cand, "config.json")):
+            return cand
+    import radixlm
+
+    return os.path.join(os.path.dirname(radixlm.__file__), "demo_model")
+
+
+def make_ipc_dir() -> str:
+    return tempfile.mkdtemp(prefix="radixlm-ipc-")
+
+

@@ -1,0 +1,36 @@
+"""Small process helpers shared by the child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+
+
+def configure_logging(level: str, prefix: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), force=True,
+                        format=f"[%(asctime)s {prefix}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
+
+
+def kill_self_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no child is ever orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:          # the parent already died before prctl took effect
+            os._exit(1)
+    except OSError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,101 @@
+"""Shared pytest set-up: the `--runslow` / `cuda` markers and the tiny offline model fixtures.
+
+The tiny models are built once per script version into `$TMPDIR/radixlm-tiny-models-<hash>` and
+reused by later sessions; a lock file keeps parallel sessions from building them at the same time.
+Helpers that need more shared fixtures add them in a clearly marked section below.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_SCRIPT = REPO_ROOT / "scripts" / "make_tiny_models.py"
+TINY_MODEL_NAMES = ("llama", "qwen2", "qwen3")
+
+
+# ----------------------------------------------------------------- markers and options
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_slow = pytest.mark.skip(reason="slow test: pass --runslow to run it")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    run_slow = config.getoption("--runslow")
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(skip_cuda)
+
+
+# ----------------------------------------------------------------- tiny models
+def _load_tiny_script():
+    spec = importlib.util.spec_from_file_location("make_tiny_models", TINY_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_models_dir() -> Path:
+    """The cache folder for this version of the build script and of transformers."""
+    import transformers
+
+    digest = hashlib.sha256(TINY_SCRIPT.read_bytes() + transformers.__version__.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"radixlm-tiny-models-{digest}"
+
+
+def ensure_tiny_models() -> dict[str, str]:
+    """Builds the tiny models unless a complete build is cached; returns name -> model folder."""
+    target = tiny_models_dir()
+    done = target / "DONE"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            building = Path(f"{target}.building-{os.getpid()}")
+            shutil.rmtree(building, ignore_errors=True)
+            _load_tiny_script().build_all(str(building))
+            shutil.rmtree(target, ignore_errors=True)
+            building.rename(target)
+            done.write_text("ok\n")
+    return {name: str(target / name) for name in TINY_MODEL_NAMES}
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, str]:
+    return ensure_tiny_models()
+
+
+@pytest.fixture(scope="session")
+def llama_path(tiny_models: dict[str, str]) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tiny_models: dict[str, str]) -> str:
+    return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(tiny_models: dict[str, str]) -> str:
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="session", params=TINY_MODEL_NAMES)
+def tiny_model_path(request: pytest.FixtureRequest, tiny_models: dict[str, str]) -> str:
+    return tiny_models[request.param]
+
+
+# ----------------------------------------------------------------- other helpers' fixtures go below
