@@ -118,8 +118,13 @@ class ServerArgs:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = self.attention_backend or ("flashinfer" if device == "cuda" else "torch_native")
+        dist_addr = self.dist_init_addr
+        if dist_addr is None and self.tp_size > 1:
+            from radixlm.runtime.utils import free_port
+
+            dist_addr = f"127.0.0.1:{free_port()}"
         return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or model_path,
-                            device=device, attention_backend=backend)
+                            device=device, attention_backend=backend, dist_init_addr=dist_addr)
 
     def validate(self) -> None:
         if self.page_size < 1:

@@ -82,6 +82,8 @@ class SchedulerHarness:
     def run(self, max_steps: int = 100000) -> dict[str, dict]:
         steps = 0
         while self.scheduler.has_work():
+            for msg in self.scheduler.timeout_aborts():   # what the process loop does each step
+                self.scheduler.handle(msg)
             self.scheduler.step()
             steps += 1
             assert steps < max_steps, "scheduler did not finish"

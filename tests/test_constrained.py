@@ -21,6 +21,8 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from radixlm.kernels.vocab_mask import (
     allocate_vocab_mask,
     apply_vocab_mask,
@@ -28,6 +30,7 @@ from radixlm.kernels.vocab_mask import (
     vocab_mask_to_bool,
 )
 from radixlm.runtime.constrained import (
+    JSON_OBJECT_SCHEMA,
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
@@ -35,7 +38,6 @@ from radixlm.runtime.constrained import (
     build_vocabulary,
     token_bytes_table,
 )
-from transformers import AutoTokenizer
 
 SOFT_STEPS = 24  # after this many random steps a walk heads for the nearest final state
 MAX_STEPS = 400
@@ -125,10 +127,14 @@ def random_walk(
     dist = _distances_to_final(grammar)
     mask = allocate_vocab_mask(1, grammar.vocab_size)
     ids: list[int] = []
+    promised: list[tuple[int, bytes]] = []  # (byte offset, forced text found there)
     for step in range(MAX_STEPS):
+        forced = matcher.find_jump_forward()
+        if forced:
+            promised.append((sum(len(grammar.token_bytes[t]) for t in ids), forced.encode()))  # type: ignore[arg-type]
         if jump_forward:
             prev_text = b"".join(grammar.token_bytes[t] for t in ids).decode("utf-8", errors="replace")  # type: ignore[misc]
-            tail = matcher.jump_forward_tokens(prev_text)
+            tail = matcher.jump_forward_tokens(prev_text if step % 2 else None)  # None: the matcher's own
             ids.extend(tail or [])
         matcher.fill_vocab_mask(mask[0])
         allowed = torch.nonzero(vocab_mask_to_bool(mask, grammar.vocab_size)[0]).flatten().tolist()
@@ -140,6 +146,8 @@ def random_walk(
         tid = _pick(matcher, allowed, step, dist, rng)
         assert matcher.accept_token(tid)
         if matcher.is_terminated():
+            raw = b"".join(grammar.token_bytes[t] for t in ids)  # type: ignore[misc]
+            assert all(raw[offset:].startswith(text) for offset, text in promised), (raw, promised)
             return ids, matcher
         ids.append(tid)
     raise AssertionError(f"walk did not terminate: {_decode(grammar, ids)!r}")
@@ -312,6 +320,15 @@ def test_json_schema_random_walks(backend: GrammarBackend, schema: dict[str, Any
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_json_object_random_walks(backend: GrammarBackend) -> None:
+    grammar = _wait(backend, backend.request("json_schema", JSON_OBJECT_SCHEMA))
+    assert isinstance(grammar, CompiledGrammar), grammar
+    rng = random.Random(3)
+    for _ in range(8):
+        ids, _ = random_walk(grammar, rng)
+        assert isinstance(json.loads(_decode(grammar, ids)), dict)
+
+
 # ---------------------------------------------------------------------------------------- errors, cache
 @pytest.mark.parametrize(
     ("kind", "spec", "message"),
@@ -476,6 +493,25 @@ def test_jump_forward_forced_text_and_tokens(backend: GrammarBackend, grammar_to
     assert matcher.accepted_ids == tokens
 
 
+@pytest.mark.parametrize(
+    ("regex", "expected"),
+    [
+        ("(cherry pie|cherry tart|cheese)", "che"),
+        (r'\{"name":[0-9]+\}', '{"name":'),
+        ("(a|b)xyz", None),
+        ("foo(bar)?", "foo"),
+        ("(ab){2,3}", "abab"),
+        ("(h\u00e9llo|h\u00e9ros)", "h\u00e9"),
+    ],
+)
+def test_find_jump_forward_known_prefixes(backend: GrammarBackend, regex: str, expected: str | None) -> None:
+    matcher = backend.compile("regex", regex).new_matcher()
+    assert matcher.find_jump_forward() == expected
+    if expected:
+        assert matcher.jump_forward_tokens("") is not None
+        assert matcher.find_jump_forward() is None
+
+
 def test_jump_forward_refuses_merge_across_boundary(backend: GrammarBackend, grammar_tokenizer: Any) -> None:
     def encode(text: str) -> list[int]:
         return grammar_tokenizer.encode(text, add_special_tokens=False)
@@ -502,6 +538,7 @@ def test_jump_forward_walks_validate(backend: GrammarBackend) -> None:
     total_jumped = 0
     for _ in range(8):
         ids, matcher = random_walk(grammar, rng, jump_forward=True)
+        assert matcher.copy().accepted_ids == ids
         assert matcher.accepted_ids == ids
         jsonschema.validate(json.loads(_decode(grammar, ids)), LONG_KEYS)
         total_jumped += matcher.jump_forward_count

@@ -180,3 +180,32 @@ def test_seeded_sampling_is_batch_invariant(llama_path):
     mixed.submit("s", prompt, max_new_tokens=16, temperature=1.0, sampling_seed=1234, ignore_eos=True)
     b = mixed.run()["s"]["output_ids"]
     assert a == b
+
+
+def test_late_divergence_miss_is_diagnosed(llama_path, caplog):
+    import logging
+
+    system = random_prompts(1, 1900, seed=11, lo=400, hi=400)[0]
+    unique = SchedulerHarness(llama_path)
+    with caplog.at_level(logging.WARNING):
+        for i in range(4):   # a unique "uuid" in front of a shared system prompt: every request misses
+            unique.submit(f"u{i}", [3 + i, 7 + i, 11 + i] + system + [42, 43], max_new_tokens=1)
+            unique.run()
+    assert unique.scheduler.planner.miss_diagnosis.count == 3
+    assert "late-divergence miss" in caplog.text and "diverges from the cache at token 0" in caplog.text
+    shared = SchedulerHarness(llama_path)
+    for i in range(4):       # the same system prompt in front: hits, never diagnosed
+        shared.submit(f"s{i}", system + [3 + i, 7 + i], max_new_tokens=1)
+        shared.run()
+    assert shared.scheduler.planner.miss_diagnosis.count == 0
+    assert shared.scheduler.planner.prefix_hits > 3 * 390
+
+
+def test_concurrent_shared_prefix_is_prefilled_once(llama_path):
+    prompts = random_prompts(8, 1900, seed=12, shared=200, lo=5, hi=10)
+    h = SchedulerHarness(llama_path)
+    for i, p in enumerate(prompts):          # all arrive together, nothing cached yet
+        h.submit(f"c{i}", p, max_new_tokens=2, temperature=0)
+    res = h.run()
+    cached = sorted(res[f"c{i}"]["cached_tokens"] for i in range(8))
+    assert cached[0] == 0 and all(c >= 192 for c in cached[1:]), cached

@@ -30,14 +30,17 @@ from typing import Any
 
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
+
 from radixlm.runtime.constrained.grammar_matcher import GrammarMatcher
 from radixlm.runtime.constrained.jump_forward import ForcedTextFinder
 from radixlm.runtime.constrained.vocabulary import token_bytes_table, vocabulary_from_table
 
 DEFAULT_JSON_WHITESPACE_PATTERN = ""
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
-# response_format {"type": "json_object"}: any JSON object (nesting bounded by outlines' recursion depth)
+# response_format {"type": "json_object"}: any JSON object, see `any_json_object_regex`
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_JSON_STRING = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+_JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 
 
 class GrammarError(ValueError):
@@ -76,6 +79,29 @@ def check_supported(kind: str) -> None:
         raise GrammarError(f"Unknown constraint kind {kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
 
 
+def any_json_object_regex(whitespace_pattern: str, depth: int = 1) -> str:
+    """A JSON object whose values nest at most `depth` more arrays/objects deep.
+
+    outlines-core's regex for a property-less `{"type": "object"}` nests three levels and takes ~5 s
+    to index with a 32k vocab; depth 1 (values: scalars, flat arrays, flat objects) takes ~0.3 s.
+    """
+    ws = f"({whitespace_pattern})" if whitespace_pattern else ""
+    scalar = f"({_JSON_STRING}|{_JSON_NUMBER}|true|false|null)"
+
+    def value(level: int) -> str:
+        return scalar if level == 0 else f"({scalar}|{array(level - 1)}|{obj(level - 1)})"
+
+    def array(level: int) -> str:
+        item = value(level)
+        return rf"\[{ws}({item}({ws},{ws}{item})*)?{ws}\]"
+
+    def obj(level: int) -> str:
+        member = f"{_JSON_STRING}{ws}:{ws}{value(level)}"
+        return rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
+
+    return obj(depth)
+
+
 def schema_to_regex(spec: str, whitespace_pattern: str | None) -> str:
     """The regex of a JSON schema given as a JSON string; GrammarError if it is invalid."""
     try:
@@ -84,6 +110,8 @@ def schema_to_regex(spec: str, whitespace_pattern: str | None) -> str:
         raise GrammarError(f"Invalid JSON schema: not valid JSON ({e})") from None
     if not isinstance(parsed, (dict, bool)):
         raise GrammarError("Invalid JSON schema: a schema must be a JSON object")
+    if parsed == {"type": "object"}:
+        return any_json_object_regex(whitespace_pattern or "")
     try:
         return build_regex_from_schema(spec, whitespace_pattern=whitespace_pattern)
     except Exception as e:  # outlines-core raises ValueError / TypeError with multi-line messages
@@ -172,6 +200,8 @@ class GrammarBackend:
         self, future: Future[CompiledGrammar], started_at: float
     ) -> CompiledGrammar | GrammarError | None:
         """The grammar, its error, or None while still compiling (started_at: time.monotonic())."""
+        if future.cancelled():
+            return GrammarError("Grammar compilation was cancelled (the server is shutting down)")
         if future.done():
             error = future.exception()
             if error is None:

@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING
 
 import outlines_core
 import torch
+
 from radixlm.kernels.vocab_mask import set_tokens_allowed
 from radixlm.runtime.constrained.jump_forward import retokenize_forced, valid_utf8_prefix
 
 if TYPE_CHECKING:
     from radixlm.runtime.constrained.grammar_backend import CompiledGrammar
+
+CONTEXT_TOKENS = 8  # tokenizer context for jump_forward_tokens when the caller gives no prev_text
 
 
 class GrammarMatcher:
@@ -110,17 +113,21 @@ class GrammarMatcher:
         forced = self.grammar.forced_text.forced_bytes(self.guide.get_state())
         return valid_utf8_prefix(forced) or None
 
-    def jump_forward_tokens(self, prev_text: str) -> list[int] | None:
+    def jump_forward_tokens(self, prev_text: str | None = None) -> list[int] | None:
         """Tokens for the forced text, accepted into this matcher; None (matcher unchanged) if no jump.
 
         prev_text is the output text generated just before this point (its last few tokens decoded,
         or all of it); it is the tokenizer context for the boundary check described in
-        `jump_forward.retokenize_forced`. The returned tokens decode to exactly the forced text and
-        are what the tokenizer gives for it after prev_text.
+        `jump_forward.retokenize_forced`. None uses the decoded last `CONTEXT_TOKENS` accepted tokens.
+        The returned tokens decode to exactly the forced text and are what the tokenizer gives for it
+        after prev_text.
         """
         forced = self.find_jump_forward()
         if not forced:
             return None
+        if prev_text is None:
+            recent = self.accepted_ids[-CONTEXT_TOKENS:]
+            prev_text = b"".join(self.grammar.token_bytes[t] for t in recent).decode("utf-8", "replace")  # type: ignore[misc]
         tail = retokenize_forced(self.grammar.tokenizer, prev_text, forced)
         if tail is None or not all(self._in_vocab(t) for t in tail):
             return None

@@ -12,6 +12,7 @@ import torch.distributed as dist
 _TP_RANK = 0
 _TP_SIZE = 1
 _TP_GROUP: dist.ProcessGroup | None = None
+_CPU_GROUP: dist.ProcessGroup | None = None   # gloo group for Python objects (scheduler messages)
 
 
 def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str = "env://") -> None:
@@ -23,7 +24,22 @@ def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str 
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
         _TP_GROUP = dist.group.WORLD
+        global _CPU_GROUP
+        _CPU_GROUP = _TP_GROUP if backend == "gloo" else dist.new_group(backend="gloo")
     _TP_RANK, _TP_SIZE = rank, size
+
+
+def is_initialized() -> bool:
+    return _TP_SIZE > 1 and dist.is_initialized()
+
+
+def broadcast_objects(objs: list) -> list:
+    """Rank 0's list of picklable objects, on every rank (identity at size 1)."""
+    if _TP_SIZE == 1:
+        return objs
+    box = [objs if _TP_RANK == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=_CPU_GROUP)
+    return box[0]
 
 
 def destroy_tp_group() -> None:
@@ -31,7 +47,8 @@ def destroy_tp_group() -> None:
     global _TP_RANK, _TP_SIZE, _TP_GROUP
     if _TP_GROUP is not None and dist.is_initialized():
         dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE, _TP_GROUP = 0, 1, None
+    global _CPU_GROUP
+    _TP_RANK, _TP_SIZE, _TP_GROUP, _CPU_GROUP = 0, 1, None, None
 
 
 def get_tp_rank() -> int:

@@ -44,6 +44,12 @@ def _child_entry(module: str, func: str, args: tuple) -> None:
     import importlib
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:   # tqdm's default lock is a multiprocessing semaphore, leaked when a child is terminated
+        import tqdm
+
+        tqdm.tqdm.set_lock(threading.RLock())
+    except ImportError:
+        pass
     getattr(importlib.import_module(module), func)(*args)
 
 

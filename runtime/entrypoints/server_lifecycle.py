@@ -38,6 +38,7 @@ logger = logging.getLogger("radixlm.server")
 
 READY_LINE = "The server is fired up and ready to roll!"
 CHILD_DEATH_EXIT_S = 3.5
+SIGNAL_RACE_S = 0.3
 GRACEFUL_SHUTDOWN_S = 3
 WARMUP_TIMEOUT_S = 600.0
 
@@ -81,6 +82,7 @@ class ServerLifecycle:
         self.tm: Any = None
         self.state: ServerState | None = None
         self.child_failure: str | None = None
+        self.shutdown_signal: int | None = None
         self.exit_code = 0
 
     # ------------------------------------------------------------------ children
@@ -114,7 +116,7 @@ class ServerLifecycle:
         config = uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level=self.args.log_level,
                                 access_log=self.args.log_requests, lifespan="off", timeout_keep_alive=5,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096)
-        self.server = uvicorn.Server(config)
+        self.server = _make_uvicorn_server(config, self)
         if self.child_failure:   # died between the handshake and now
             self._fail_in_loop(self.child_failure)
         ready = asyncio.create_task(self._announce_ready())
@@ -141,27 +143,47 @@ class ServerLifecycle:
     # ------------------------------------------------------------------ events
     def on_signal(self, signum: int, _frame: Any) -> None:
         logger.info("Received %s; shutting down", signal.Signals(signum).name)
+        self.shutdown_signal = signum
         if self.server is None:
             raise KeyboardInterrupt
         self.server.should_exit = True
 
     def on_child_death(self, name: str, exitcode: int | None) -> None:
-        """Called from the watchdog thread; may be called once per dead child."""
+        """Called from the watchdog thread; may be called once per dead child.
+
+        A child killed by the same SIGTERM/SIGINT as the server (a signal sent to the whole process
+        group, as `timeout` or a terminal does) is part of a normal shutdown, not a failure.
+        """
         if self.child_failure is not None:
             return
+        if exitcode in (-signal.SIGTERM, -signal.SIGINT):
+            time.sleep(SIGNAL_RACE_S)    # let the main thread run our own handler for that signal
+            if self.shutdown_signal is not None:
+                logger.info("child process '%s' stopped by the shutdown signal", name)
+                self._call_in_loop(self._stop_serving)
+                return
         message = f"child process '{name}' died (exit code {exitcode})"
         logger.error("%s; failing in-flight requests and shutting down", message)
         self.child_failure = message
         self.exit_code = 1
         threading.Thread(target=self._force_exit_later, name="radixlm-exit-timer", daemon=True).start()
+        self._call_in_loop(self._fail_in_loop, message)
+
+    def _call_in_loop(self, fn: Any, *args: Any) -> None:
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._fail_in_loop, message)
+            try:
+                self.loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:   # the loop closed meanwhile
+                pass
 
     def _fail_in_loop(self, message: str) -> None:
         if self.state is not None:
             self.state.failure = message
         if self.tm is not None:
             self.tm.fail_all(f"Server failure: {message}")
+        self._stop_serving()
+
+    def _stop_serving(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
 
@@ -172,6 +194,18 @@ class ServerLifecycle:
         stopper.start()
         stopper.join(1.0)
         os._exit(1)
+
+
+def _make_uvicorn_server(config: Any, life: ServerLifecycle) -> Any:
+    """uvicorn's Server, noting the shutdown signal (uvicorn owns SIGINT/SIGTERM while serving)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            life.shutdown_signal = sig
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 # ---------------------------------------------------------------------- checks and logging

@@ -18,12 +18,15 @@ import torch
 
 from radixlm.runtime.managers.req import Req
 from radixlm.runtime.managers.schedule_policy import PrefillBudget, order_waiting
+from radixlm.runtime.mem_cache.miss_diagnosis import MissDiagnosis
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.runtime.router.dp_router import ApproxTree
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 DECODE_RESERVE_CLIP = 4096
+IN_BATCH_SHARE = 32
 
 
 @dataclass
@@ -55,6 +58,7 @@ class BatchPlanner:
         self.num_retractions = 0
         self.prefix_queries = 0       # prompt tokens of first admissions (cumulative)
         self.prefix_hits = 0          # of which came from the cache
+        self.miss_diagnosis = MissDiagnosis()
 
     # ------------------------------------------------------------- plan
     def plan(self, running: list[Req], waiting: list[Req]) -> tuple[StepBatch, list[Req]]:
@@ -88,27 +92,40 @@ class BatchPlanner:
         return batch, retracted
 
     def _admit(self, batch: StepBatch, budget: PrefillBudget, running: list[Req], waiting: list[Req]) -> None:
+        """Admits waiting requests in policy order until a budget runs out.
+
+        In-batch prefix sharing: a request whose uncached part repeats (>= IN_BATCH_SHARE tokens)
+        a prompt being prefilled in this step, or by a running chunked prefill, waits one step;
+        by then that prompt is in the tree and this request hits it instead of recomputing it.
+        """
         if not waiting:
             return
-        busy_groups = {r.group_rid for r in running if r.group_rid and r.cached_len < r.prompt_len}
         radix = not self.args.disable_radix_cache
+        in_flight = ApproxTree()
+        for r in running:
+            if r.cached_len < r.prompt_len:
+                in_flight.insert(r.origin_input_ids)
         for req in order_waiting(self.args.schedule_policy, waiting, self.tree, radix):
-            if req.group_rid and req.group_rid in busy_groups:
-                continue                  # a sibling is prefilling the shared prompt right now
-            if not self._try_admit(req, batch, budget):
+            admitted = self._try_admit(req, batch, budget, in_flight if radix else None)
+            if admitted is None:
+                continue
+            if not admitted:
                 break
             waiting.remove(req)
             running.append(req)
-            if req.group_rid:
-                busy_groups.add(req.group_rid)
+            in_flight.insert(req.origin_input_ids)
 
-    def _try_admit(self, req: Req, batch: StepBatch, budget: PrefillBudget) -> bool:
+    def _try_admit(self, req: Req, batch: StepBatch, budget: PrefillBudget,
+                   in_flight: ApproxTree | None) -> bool | None:
+        """True: admitted; False: out of budget (stop admitting); None: deferred one step."""
         limit = req.max_prefix_for_match() // self.page_size * self.page_size
         match = self.tree.match_prefix(req.all_ids[:limit])
+        prefix_len = len(match.kv_indices)
+        if in_flight is not None and in_flight.match(req.origin_input_ids) >= prefix_len + IN_BATCH_SHARE:
+            return None
         evictable_before = self.tree.evictable_size()
         self.tree.inc_lock_ref(match.last_node)
         budget.rem_total_tokens -= evictable_before - self.tree.evictable_size()
-        prefix_len = len(match.kv_indices)
         n = budget.take(req, req.seq_len - prefix_len, self._reserve_of(req))
         row = self.req_pool.alloc() if n else None
         if row is None:
@@ -126,6 +143,8 @@ class BatchPlanner:
             req.cached_tokens = prefix_len
             self.prefix_queries += req.prompt_len
             self.prefix_hits += prefix_len
+            if not self.args.disable_radix_cache:
+                self.miss_diagnosis.observe(req.origin_input_ids, prefix_len)
         batch.reqs.append(req)
         batch.extend_lens.append(n)
         return True

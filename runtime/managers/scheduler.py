@@ -151,14 +151,18 @@ class Scheduler:
 
     def _mark_abort(self, rid: str, message: str | None) -> None:
         for req in [*self.waiting, *self.running, *self.grammar.pending]:
-            if not rid or req.rid == rid or req.group_rid == rid:
+            if (not rid or req.rid == rid or req.group_rid == rid) and req.to_abort is None:
                 req.to_abort = message or "aborted"
 
-    def _handle_aborts(self) -> None:
+    def timeout_aborts(self) -> list[AbortReq]:
+        """Abort messages for requests past their deadline. Only TP rank 0 calls this; the messages
+        travel with the received ones, so every rank aborts at the same step."""
         now = time.monotonic()
+        return [AbortReq(req.rid, "timeout") for req in [*self.waiting, *self.running, *self.grammar.pending]
+                if req.deadline is not None and now > req.deadline and req.to_abort is None]
+
+    def _handle_aborts(self) -> None:
         for req in [*self.waiting, *self.running, *self.grammar.pending]:
-            if req.deadline is not None and now > req.deadline and req.to_abort is None:
-                req.to_abort = "timeout"
             if req.to_abort is not None:
                 self._finish_early(req, {"type": "abort", "message": req.to_abort})
 
@@ -191,7 +195,8 @@ class Scheduler:
             num_grammar_queue_reqs=len(self.grammar.pending), kv_used_tokens=used,
             kv_evictable_tokens=evictable, max_total_tokens=alloc.size,
             num_preemptions=self.planner.num_retractions, prefix_cache_queries=self.planner.prefix_queries,
-            prefix_cache_hits=self.planner.prefix_hits, gen_throughput=tput, dp_rank=self.dp_rank)
+            prefix_cache_hits=self.planner.prefix_hits,
+            late_divergence_misses=self.planner.miss_diagnosis.count, gen_throughput=tput, dp_rank=self.dp_rank)
 
     def internal_state(self) -> dict:
         alloc, pool = self.runner.allocator, self.runner.req_to_token_pool
@@ -204,6 +209,8 @@ class Scheduler:
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
             "num_retractions": self.planner.num_retractions, "radix_tree_tokens": self.tree.total_size(),
             "prefix_cache_queries": self.planner.prefix_queries, "prefix_cache_hits": self.planner.prefix_hits,
+            "late_divergence_misses": self.planner.miss_diagnosis.count,
+            "last_divergence_position": self.planner.miss_diagnosis.last_position,
             **self.runner.info(),
         }
 

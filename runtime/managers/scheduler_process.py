@@ -51,7 +51,7 @@ def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
     was_busy = False
     while True:
         busy = scheduler.has_work()
-        msgs = recv_messages(scheduler, puller, block=not busy)
+        msgs = recv_messages(scheduler, puller, block=not busy and scheduler.args.tp_size == 1)
         for msg in msgs:
             scheduler.handle(msg)
         if scheduler.has_work():
@@ -71,6 +71,7 @@ def recv_messages(scheduler: Scheduler, puller: Puller | None, block: bool) -> l
             if first is not None:
                 msgs.append(first)
         msgs.extend(puller.recv_nowait_all())
+        msgs.extend(scheduler.timeout_aborts())
     if scheduler.args.tp_size > 1:
         from radixlm.runtime.distributed.parallel_state import broadcast_objects
 

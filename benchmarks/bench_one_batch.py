@@ -1,0 +1,199 @@
+"""Prefill and decode latency of one static batch, without the server or the scheduler.
+
+For each batch size it takes fresh req rows and KV slots, prefills `--input-len` random tokens
+per request in one EXTEND pass, then runs `--decode-steps` DECODE passes (greedy next token),
+and reports the median step latency. It also measures this machine's memory copy bandwidth and
+compares batch-1 decode with the roofline: at batch 1 a decode step must read every weight
+once, so tokens/s cannot beat bandwidth / weight bytes.
+
+    python benchmarks/bench_one_batch.py                       # 0.5B Qwen2-shaped bf16, bs 1 8 32 64
+    python benchmarks/bench_one_batch.py --model-size tiny --batch-sizes 1 4 --decode-steps 4
+    python benchmarks/bench_one_batch.py --model-path ./my-model --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+NAME = "bench_one_batch"
+
+
+# ----------------------------------------------------------------- bandwidth
+def measure_copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 8) -> dict[str, float]:
+    """Best-of-`repeats` `dst.copy_(src)` on a buffer much larger than the caches.
+
+    `read_write_gbps` counts the bytes read plus the bytes written (2x the buffer), the traffic a
+    copy puts on memory; `copy_gbps` counts the buffer once.
+    """
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                                  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return {"buffer_mib": num_bytes / 2**20, "best_s": best, "copy_gbps": num_bytes / best / 1e9,
+            "read_write_gbps": 2 * num_bytes / best / 1e9}
+
+
+# ----------------------------------------------------------------- one batch
+def run_batch(runner: Any, batch_size: int, input_len: int, decode_steps: int, seed: int) -> dict[str, Any]:
+    """Prefill + decode one static batch; frees every row and slot it took before returning."""
+    from radixlm.runtime.model_executor.forward_batch import ForwardMode
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = runner.model_config.vocab_size
+    prompts = torch.randint(3, vocab, (batch_size, input_len), generator=gen).tolist()
+    rows = [runner.req_to_token_pool.alloc() for _ in range(batch_size)]
+    if any(r is None for r in rows):
+        raise RuntimeError(f"batch size {batch_size} exceeds max_running_requests")
+    held: list[torch.Tensor] = []
+    try:
+        # prefill: tokens [0, input_len) of every request
+        loc = _alloc(runner, rows, [0] * batch_size, [input_len] * batch_size)
+        held.append(loc)
+        fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows,
+                                       [0] * batch_size, [input_len] * batch_size, loc)
+        t0 = time.perf_counter()
+        out = runner.forward(fb)
+        prefill_s = time.perf_counter() - t0
+        next_ids = out.next_token_logits.argmax(-1).tolist()
+        step_times = []
+        seq = input_len
+        for _ in range(decode_steps):
+            # decode: token [seq, seq + 1) of every request
+            loc = _alloc(runner, rows, [seq] * batch_size, [seq + 1] * batch_size)
+            held.append(loc)
+            fb = runner.make_forward_batch(ForwardMode.DECODE, next_ids, rows, [seq] * batch_size,
+                                           [seq + 1] * batch_size, loc)
+            t0 = time.perf_counter()
+            out = runner.forward(fb)
+            next_ids = out.next_token_logits.argmax(-1).tolist()
+            step_times.append(time.perf_counter() - t0)
+            seq += 1
+    finally:
+        for loc in held:
+            runner.allocator.free(loc)
+        for r in rows:
+            if r is not None:
+                runner.req_to_token_pool.free(r)
+    return _batch_result(batch_size, input_len, prefill_s, step_times)
+
+
+def _alloc(runner: Any, rows: list[int], prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    table = runner.req_to_token_pool.req_to_token
+    last = [int(table[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens)]
+    loc = runner.allocator.alloc_extend(prefix_lens, seq_lens, last)
+    if loc is None:
+        raise RuntimeError("KV pool too small for this batch; raise --max-total-tokens")
+    return loc
+
+
+def _batch_result(bs: int, input_len: int, prefill_s: float, steps: list[float]) -> dict[str, Any]:
+    # the first decode steps can include one-time work (allocator growth, oneDNN primitive
+    # creation); the median is robust to that, `best` shows the floor
+    median = statistics.median(steps) if steps else None
+    return {
+        "batch_size": bs, "input_len": input_len, "prefill_s": prefill_s,
+        "prefill_tok_s": bs * input_len / prefill_s,
+        "decode_steps": len(steps), "decode_step_median_ms": median * 1e3 if median else None,
+        "decode_step_best_ms": min(steps) * 1e3 if steps else None,
+        "decode_tok_s": bs / median if median else None,
+        "decode_tok_s_best": bs / min(steps) if steps else None,
+    }
+
+
+# ----------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_one_batch.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", help="model folder (default: a random Qwen2-shaped model, see --model-size)")
+    p.add_argument("--model-size", default="0.5b", choices=sorted(common.MODEL_SHAPES),
+                   help="shape of the random model made when no --model-path is given (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary of the random model (default: the shape's)")
+    p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float32", "float16"),
+                   help="weight dtype (default: %(default)s)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="(default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="untimed batch-1 prefill+decode steps first (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=1, help="KV page size (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_output_dir_arg(p)
+    return p.parse_args(argv)
+
+
+def make_runner(args: argparse.Namespace, model_path: str) -> Any:
+    from radixlm.runtime.model_executor.model_runner import ModelRunner
+    from radixlm.runtime.server_args import ServerArgs
+
+    bs = max(args.batch_sizes)
+    need = bs * (args.input_len + args.decode_steps + args.page_size) + 64 * args.page_size
+    server_args = ServerArgs.from_kwargs(
+        model_path=model_path, device="cpu", dtype=args.dtype, max_total_tokens=need,
+        max_running_requests=bs, page_size=args.page_size,
+        context_length=args.input_len + args.decode_steps + 16).resolved()
+    return ModelRunner(server_args)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_path = args.model_path or common.make_qwen2_model(args.model_size, args.vocab_size)
+    bandwidth = measure_copy_bandwidth()
+    runner = make_runner(args, model_path)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    if args.warmup_steps:
+        run_batch(runner, 1, min(args.input_len, 32), args.warmup_steps, args.seed)
+    rows = []
+    with common.LoadMonitor() as load:
+        for bs in tqdm(args.batch_sizes, desc="batch sizes", unit="batch"):
+            rows.append(run_batch(runner, bs, args.input_len, args.decode_steps, args.seed + bs))
+    roofline_tok_s = bandwidth["read_write_gbps"] * 1e9 / weight_bytes
+    batch1 = next((r for r in rows if r["batch_size"] == 1), None)
+    results = {
+        "model_path": model_path, "dtype": str(runner.dtype), "weight_bytes": weight_bytes,
+        "num_params": sum(p.numel() for p in runner.model.parameters()),
+        "bandwidth": bandwidth, "roofline_batch1_tok_s": roofline_tok_s,
+        "roofline_step_ms": weight_bytes / (bandwidth["read_write_gbps"] * 1e9) * 1e3,
+        "batch1_fraction_of_roofline": batch1["decode_tok_s"] / roofline_tok_s if batch1 else None,
+        "batch1_best_fraction_of_roofline": batch1["decode_tok_s_best"] / roofline_tok_s if batch1 else None,
+        "threads": args.threads, "rows": rows,
+    }
+    write_results(results, args, load.summary())
+    return results
+
+
+def write_results(results: dict[str, Any], args: argparse.Namespace, load: dict[str, Any]) -> None:
+    headers = ["batch", "input", "prefill s", "prefill tok/s", "decode step ms (median)", "decode tok/s",
+               "decode tok/s (best step)"]
+    table_rows = [[r["batch_size"], r["input_len"], r["prefill_s"], r["prefill_tok_s"],
+                   r["decode_step_median_ms"], r["decode_tok_s"], r["decode_tok_s_best"]] for r in results["rows"]]
+    bw = results["bandwidth"]
+    table = common.markdown_table(headers, table_rows)
+    table += (f"\n\nWeights: {results['weight_bytes'] / 1e6:,.0f} MB ({results['dtype']}). "
+              f"Copy bandwidth: {bw['read_write_gbps']:.1f} GB/s read+write ({bw['copy_gbps']:.1f} GB/s copied). "
+              f"Roofline at batch 1: {results['roofline_step_ms']:.1f} ms/step = "
+              f"{results['roofline_batch1_tok_s']:.1f} tok/s.")
+    if results["batch1_fraction_of_roofline"] is not None:
+        table += (f" Batch-1 decode reaches {results['batch1_fraction_of_roofline']:.0%} of it "
+                  f"(best step: {results['batch1_best_fraction_of_roofline']:.0%}).")
+    common.write_results(NAME, args.output_dir, results, table, load)
+
+
+if __name__ == "__main__":
+    main()
