@@ -132,6 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="untimed batch-1 prefill+decode steps first (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=1, help="KV page size (default: %(default)s)")
+    p.add_argument("--bandwidth-mib", type=int, default=256,
+                   help="buffer size of the copy-bandwidth measurement (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     common.add_output_dir_arg(p)
     return p.parse_args(argv)
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model_path = args.model_path or common.make_qwen2_model(args.model_size, args.vocab_size)
-    bandwidth = measure_copy_bandwidth()
+    bandwidth = measure_copy_bandwidth(args.bandwidth_mib << 20)
     runner = make_runner(args, model_path)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     if args.warmup_steps:
@@ -185,7 +187,7 @@ def write_results(results: dict[str, Any], args: argparse.Namespace, load: dict[
                    r["decode_step_median_ms"], r["decode_tok_s"], r["decode_tok_s_best"]] for r in results["rows"]]
     bw = results["bandwidth"]
     table = common.markdown_table(headers, table_rows)
-    table += (f"\n\nWeights: {results['weight_bytes'] / 1e6:,.0f} MB ({results['dtype']}). "
+    table += (f"\n\nWeights: {results['weight_bytes'] / 1e6:,.1f} MB ({results['dtype']}). "
               f"Copy bandwidth: {bw['read_write_gbps']:.1f} GB/s read+write ({bw['copy_gbps']:.1f} GB/s copied). "
               f"Roofline at batch 1: {results['roofline_step_ms']:.1f} ms/step = "
               f"{results['roofline_batch1_tok_s']:.1f} tok/s.")

@@ -117,8 +117,9 @@ class StreamExecutor(PromptBuilder):
     def submit(self, expr: SglExpr) -> None:
         if self._ended:
             raise RuntimeError("This program state has ended; it accepts no more expressions")
-        for name in produced_var_names(expr):
-            self.variable_event[name] = threading.Event()
+        with self.cond:  # the worker may be iterating over the events (after an error)
+            for name in produced_var_names(expr):
+                self.variable_event[name] = threading.Event()
         self._queue.put(expr)
 
     def end(self) -> None:

@@ -155,7 +155,8 @@ class ProgramState:
             executor.end()
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.text()!r})"
+        self.stream_executor.sync()
+        return f"ProgramState({self.stream_executor.text_!r})"
 
 
 class ProgramStateGroup:

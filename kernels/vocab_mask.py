@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 _BITS_PER_WORD = 32
@@ -47,11 +48,12 @@ def reset_vocab_mask(mask: torch.Tensor) -> None:
 
 
 def set_tokens_allowed(mask_row: torch.Tensor, token_ids: Iterable[int], allowed: bool) -> None:
-    """Set or clear the bits of `token_ids` in one mask row (1-D int32, in place)."""
-    row_bytes = mask_row.view(torch.uint8)  # little endian: token t is bit t % 8 of byte t // 8
-    for tid in token_ids:
+    """Set or clear the bits of `token_ids` in one mask row (1-D int32, in place); ids past the row are ignored."""
+    on_cpu = mask_row.device.type == "cpu"
+    row_bytes = mask_row.numpy().view(np.uint8) if on_cpu else mask_row.view(torch.uint8)
+    for tid in token_ids:  # little endian: token t is bit t % 8 of byte t // 8
         byte_index, bit = divmod(tid, 8)
-        if byte_index >= row_bytes.numel():
+        if byte_index >= row_bytes.shape[0]:
             continue
         old = int(row_bytes[byte_index])
         row_bytes[byte_index] = (old | (1 << bit)) if allowed else (old & ~(1 << bit) & 0xFF)

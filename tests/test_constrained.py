@@ -419,6 +419,9 @@ def test_matcher_copy_and_eos_ids(grammar_tokenizer: Any, vocab_size: int) -> No
     m.fill_vocab_mask(mask[0])
     allowed = set(torch.nonzero(vocab_mask_to_bool(mask, vocab_size)[0]).flatten().tolist())
     assert allowed == {eos, extra_eos}
+    bool_row = torch.ones(vocab_size, dtype=torch.bool)  # the bool-row form of fill_vocab_mask
+    clone.fill_vocab_mask(bool_row)
+    assert torch.nonzero(bool_row).flatten().tolist() == [b_id]
     assert m.accept_token(extra_eos) and m.is_terminated()
     assert not m.accept_token(eos)
 

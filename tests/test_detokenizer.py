@@ -8,9 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from transformers import AutoTokenizer
+
 from radixlm.runtime.managers.detokenizer_manager import IncrementalDetokenizer, stop_safe_end
 from radixlm.runtime.managers.io_struct import BatchTokenIDOut, ReqTokenOut
-from transformers import AutoTokenizer
 
 UNICODE_TEXT = "x = 'héllo wörld' # €42 — 😀🎉 ok\n\tdef f(): return \"日本語\"  # ça va ?"
 

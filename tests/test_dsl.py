@@ -157,11 +157,13 @@ def test_text_iter_streaming_equals_non_streamed(backend):
     again = two_turns.run(question="Name a module.", temperature=0, stream=True, backend=backend)
     assert "".join(again.text_iter("second")) == plain["second"]
 
-    async def collect() -> str:
+    async def collect() -> tuple[str, sgl.ProgramState]:
         state = two_turns.run(question="Name a module.", temperature=0, stream=True, backend=backend)
-        return "".join([piece async for piece in state.text_async_iter("first")])
+        return "".join([piece async for piece in state.text_async_iter("first")]), state
 
-    assert asyncio.run(collect()) == plain["first"]
+    first, state = asyncio.run(collect())
+    assert first == plain["first"]
+    assert state.text() == plain.text()  # the rest of the program keeps running after "first"
 
 
 # ----------------------------------------------------------------------- run_batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import warnings
 
 import httpx
@@ -72,7 +73,7 @@ def test_gen_with_choices_is_select_and_select_validates():
         sgl.select("c", choices=[])
     with pytest.raises(ValueError):
         sgl.select("c", choices=["ok", ""])
-    with pytest.raises(Exception):
+    with pytest.raises(re.error):
         sgl.gen("bad", regex="(unclosed")
 
 

@@ -20,6 +20,8 @@ import torch
 
 import radixlm
 
+pytestmark = pytest.mark.timeout(180)     # a hang (a lost wake-up, a dead child) fails, never blocks
+
 PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):",
@@ -181,6 +183,76 @@ def test_abort(engine):
     assert_idle_and_free(engine)
 
 
+def test_client_disconnect_aborts(engine):
+    """The HTTP path: `generate(obj, request)` polls `request.is_disconnected()` and aborts."""
+    from radixlm.runtime.managers.io_struct import GenerateReqInput
+
+    class GoneClient:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    async def consume() -> dict:
+        obj = GenerateReqInput(text=PROMPTS[0], sampling_params={"max_new_tokens": 1900, "ignore_eos": True})
+        results = [item async for item in engine.tokenizer_manager.generate(obj, GoneClient())]
+        return results[-1]
+
+    out = engine._core.call(consume())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["completion_tokens"] < 1900
+    assert_idle_and_free(engine)
+
+
+def test_prefill_only(engine):
+    out = engine.generate(PROMPTS[3], {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    meta = out["meta_info"]
+    assert out["text"] == "" and out["output_ids"] == [] and meta["completion_tokens"] == 0
+    assert meta["finish_reason"]["type"] == "length"
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+
+
+class RecordingMetrics:
+    """Stands in for runtime.metrics.MetricsCollector and records the hook calls."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.finished: list[tuple] = []
+        self.stats: list = []
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.append(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.append(seconds)
+
+    def on_request_finished(self, prompt_tokens: int, completion_tokens: int, e2e_seconds: float,
+                            aborted: bool) -> None:
+        self.finished.append((prompt_tokens, completion_tokens, e2e_seconds, aborted))
+
+    def update_scheduler_stats(self, stats) -> None:
+        self.stats.append(stats)
+
+
+def test_metrics_hooks(engine):
+    tm = engine.tokenizer_manager
+    rec = RecordingMetrics()
+    tm.metrics = rec
+    try:
+        chunks = list(engine.generate(PROMPTS[0], greedy(10, ignore_eos=True), stream=True))
+        deadline = time.monotonic() + 5
+        while not rec.stats and time.monotonic() < deadline:     # stats are pushed as it goes idle
+            time.sleep(0.05)
+    finally:
+        tm.metrics = None
+    meta = chunks[-1]["meta_info"]
+    assert len(rec.ttft) == 1 and 0 < rec.ttft[0] <= meta["e2e_latency"]
+    assert len(rec.itl) == 9 and all(gap >= 0 for gap in rec.itl)
+    assert len(rec.finished) == 1
+    prompt_tokens, completion_tokens, e2e, aborted = rec.finished[0]
+    assert (prompt_tokens, completion_tokens, aborted) == (meta["prompt_tokens"], 10, False) and e2e > 0
+    assert rec.stats and tm.latest_stats is rec.stats[-1]
+
+
 def test_flush_cache_and_server_info(engine):
     assert engine.flush_cache().success
     info = engine.get_server_info()
@@ -239,11 +311,17 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
-def test_killing_the_scheduler_fails_pending_requests(llama_path: str):
+def test_startup_failure_raises_the_child_error(tmp_path):
+    with pytest.raises(RuntimeError, match="failed to start.*does not exist"):
+        radixlm.Engine(model_path=str(tmp_path / "no-such-model"))
+
+
+@pytest.mark.parametrize("victim", ["scheduler", pytest.param("detokenizer", marks=pytest.mark.slow)])
+def test_killing_a_child_fails_pending_requests(llama_path: str, victim: str):
     eng = radixlm.Engine(model_path=llama_path, max_total_tokens=8192)
     procs = eng.subprocesses.processes
     pids = [p.pid for p in procs.values()]
-    sched_pid = next(p.pid for name, p in procs.items() if name.startswith("scheduler"))
+    victim_pid = next(p.pid for name, p in procs.items() if name.startswith(victim))
     errors: list[BaseException] = []
 
     def background() -> None:
@@ -256,14 +334,14 @@ def test_killing_the_scheduler_fails_pending_requests(llama_path: str):
     stream = eng.generate(PROMPTS[0], {"max_new_tokens": 2000, "ignore_eos": True}, stream=True)
     next(stream)
     waiter.start()
-    os.kill(sched_pid, signal.SIGKILL)
+    os.kill(victim_pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="died"):
         list(stream)
     waiter.join(10)
     assert time.monotonic() - start < 5.0
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
-    assert wait_gone(pids, 5.0) == []                 # the detokenizer is gone too: no orphan
+    assert wait_gone(pids, 5.0) == []                 # the other children are gone too: no orphan
     assert not eng.is_running
     with pytest.raises(RuntimeError):
         eng.generate("hi")

@@ -156,16 +156,19 @@ def test_info_routes(server: ServerProcess, llama_path: str) -> None:
 def test_flush_cache_refused_while_running(server: ServerProcess) -> None:
     wait_kv_free(server)
     assert httpx.post(server.url("/flush_cache"), timeout=30).status_code == 200
-    body = {"text": "x", "rid": "long-flush", "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    body = {"text": "x", "rid": "long-flush", "stream": True,      # 8 x 480 tokens: still running below
+            "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "n": 8}}
     with httpx.stream("POST", server.url("/generate"), json=body, timeout=60) as r:
-        next(r.iter_lines())
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(lines)
         refused = httpx.post(server.url("/flush_cache"), timeout=30)
         assert refused.status_code == 400, refused.text
         assert "running" in refused.json()["error"]["message"]
         assert post(server, "/abort_request", {"rid": "long-flush"}).status_code == 200
-        chunks = sse_events([ln for ln in r.iter_lines()])
-    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        chunks = sse_events([first, *lines])
+    last = {c["index"]: c["meta_info"]["finish_reason"] for c in chunks}
+    assert len(last) == 8 and {r["type"] for r in last.values()} == {"abort"}, last
     wait_kv_free(server)
 
 
@@ -246,10 +249,11 @@ def test_child_death_fails_requests_and_exits(llama_path: str) -> None:
         assert children, "the server has no child processes"
         body = {"text": "a", "stream": True, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
         with httpx.stream("POST", srv.url("/generate"), json=body, timeout=30) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()
+            next(lines)
             os.kill(children[0], signal.SIGKILL)
             killed_at = time.monotonic()
-            events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            events = [ln for ln in lines if ln.startswith("data: ")]
         assert any('"error"' in ln for ln in events), events[-2:]
         srv.proc.wait(timeout=10)
         assert time.monotonic() - killed_at < 5.0 + 0.5

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import outlines_core
 import torch
 
-from radixlm.kernels.vocab_mask import set_tokens_allowed
+from radixlm.kernels.vocab_mask import allocate_vocab_mask, set_tokens_allowed, vocab_mask_to_bool
 from radixlm.runtime.constrained.jump_forward import retokenize_forced, valid_utf8_prefix
 
 if TYPE_CHECKING:
@@ -72,14 +72,21 @@ class GrammarMatcher:
         return True
 
     def fill_vocab_mask(self, mask_row: torch.Tensor) -> None:
-        """Write the allowed-token bits into one mask row (1-D contiguous CPU int32, in place).
+        """Write the allowed tokens into one mask row, in place.
 
+        mask_row: a contiguous CPU int32 bitmask row (`radixlm.kernels.vocab_mask` layout, the fast
+        path), or a bool row of length >= vocab_size (True = allowed; bits past vocab_size cleared).
         Allowed: the tokens the grammar accepts next, plus every eos id iff the state is final.
         Tokens the index does not know (special tokens, padded ids) are never allowed.
         """
+        if mask_row.dtype == torch.bool:
+            words = allocate_vocab_mask(1, mask_row.numel())
+            self.fill_vocab_mask(words[0])
+            mask_row.copy_(vocab_mask_to_bool(words, mask_row.numel())[0])
+            return
         words = mask_row.numel()
         if mask_row.dtype != torch.int32 or not mask_row.is_contiguous() or mask_row.device.type != "cpu":
-            raise ValueError("fill_vocab_mask needs a contiguous CPU int32 row")
+            raise ValueError("fill_vocab_mask needs a contiguous CPU int32 row (or a bool row)")
         if words * 32 < self.grammar.vocab_size:
             raise ValueError(f"mask row has {words} words, too few for a vocab of {self.grammar.vocab_size}")
         if self.terminated:

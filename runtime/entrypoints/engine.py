@@ -146,6 +146,8 @@ class EngineCore:
             self.subprocs.shutdown()
         if self.thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._stop_loop(), self.loop)
+            if threading.current_thread() is self.thread:   # e.g. a finalizer run by GC on the loop
+                return
             self.thread.join(timeout=5.0)
         if not self.thread.is_alive() and not self.loop.is_closed():
             self.loop.close()

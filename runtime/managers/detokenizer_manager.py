@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
 from radixlm.runtime.managers.io_struct import (
     BatchStrOut,
     BatchTokenIDOut,

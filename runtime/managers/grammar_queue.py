@@ -39,6 +39,13 @@ class GrammarQueue:
         kind, spec = req.sampling_params.constraint
         req.grammar_future = self.backend.request(kind, spec)
         req.grammar_wait_start = time.monotonic()
+        if self.args.tp_size > 1:
+            # every TP rank must release the request at the same step: wait for it here instead of
+            # polling (compile times differ across ranks)
+            try:
+                req.grammar_future.result(timeout=self.args.grammar_compile_timeout)
+            except Exception:  # noqa: BLE001 - poll() turns the failure into a GrammarError
+                pass
         self.pending.append(req)
 
     def pop_ready(self, on_error: Callable[[Req, dict], None]) -> list[Req]:

@@ -113,10 +113,10 @@ class OutputProcessor:
         budget = min(req.remaining_new_tokens(), self.context_len - req.seq_len - 1)
         if budget <= 0:
             return
-        text = self.tokenizer.decode(req.output_ids)
-        forced = req.grammar.jump_forward_tokens(text)
+        forced = req.grammar.jump_forward_tokens(None)
         if not forced:
             return
+        # Cutting at the budget ends the request (length), so the matcher running ahead is harmless.
         forced = forced[:budget]
         req.output_ids.extend(forced)
         req.jump_forward_tokens += len(forced)

@@ -207,6 +207,7 @@ class Scheduler:
             "kv_fully_free": free + evictable == alloc.size and not self.has_work(),
             "req_rows_total": pool.size, "req_rows_free": pool.available_size(),
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+            "kv_request_tokens": sum(r.cached_len for r in self.running),   # tokens with KV (paging-waste baseline)
             "num_retractions": self.planner.num_retractions, "radix_tree_tokens": self.tree.total_size(),
             "prefix_cache_queries": self.planner.prefix_queries, "prefix_cache_hits": self.planner.prefix_hits,
             "late_divergence_misses": self.planner.miss_diagnosis.count,

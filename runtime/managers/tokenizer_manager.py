@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from radixlm.runtime.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -346,15 +347,11 @@ class TokenizerManager:
             out["index"] = index
         return out
 
-    def _triples(self, pairs: list | None, with_text: bool) -> list:
-        return [self._triple(p, with_text) for p in pairs or []]
-
-    def _triple(self, pair: Any, with_text: bool) -> list:
-        logprob, tid = pair
-        return [logprob, tid, self.token_text(tid) if with_text else None]
-
-    def _top_triples(self, tops: list | None, with_text: bool) -> list:
-        return [None if top is None else self._triples(top, with_text) for top in tops or []]
+    def _triples(self, entries: list | None, with_text: bool, nested: bool = False) -> list:
+        """[logprob, id] pairs -> [logprob, id, text or None]; `nested`: per-position top lists."""
+        if nested:
+            return [None if top is None else self._triples(top, with_text) for top in entries or []]
+        return [[lp, tid, self.token_text(tid) if with_text else None] for lp, tid in entries or []]
 
     def token_text(self, tid: int) -> str:
         """Non-empty display text of one token (special tokens included)."""
@@ -405,9 +402,9 @@ class TokenizerManager:
         if st.return_logprob:
             lp, t = st.logprobs, st.text_in_logprobs
             lp["input_token_logprobs"] += self._triples(tok.input_token_logprobs, t)
-            lp["input_top_logprobs"] += self._top_triples(tok.input_top_logprobs, t)
+            lp["input_top_logprobs"] += self._triples(tok.input_top_logprobs, t, nested=True)
             lp["output_token_logprobs"] += self._triples(tok.output_token_logprobs, t)
-            lp["output_top_logprobs"] += self._top_triples(tok.output_top_logprobs, t)
+            lp["output_top_logprobs"] += self._triples(tok.output_top_logprobs, t, nested=True)
         self._observe_latency(st, len(tok.new_token_ids), now)
         if tok.finish_reason is not None:
             st.finish_reason = dict(tok.finish_reason)
