@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import httpx  # noqa: E402
-from bench_serving import cache_counters, hit_rate  # noqa: E402
+from bench_serving import cache_counters, hit_rate, settled_counters  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 NAME = "bench_prefix_cache"
@@ -117,8 +117,7 @@ async def run_pass(mode: str, client: Any, http: httpx.AsyncClient, model: str, 
     results = await asyncio.gather(*(tracked(q) for q in questions))
     wall = time.perf_counter() - start
     bar.close()
-    await asyncio.sleep(0.6)        # scheduler counters reach /metrics twice a second
-    after = await cache_counters(http)
+    after = await settled_counters(http)
     ttfts = [r.ttft for r in results]
     cached = [r.cached_tokens for r in results if r.cached_tokens is not None]
     prompt = sum(r.prompt_tokens for r in results)

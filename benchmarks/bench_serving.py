@@ -286,6 +286,19 @@ async def cache_counters(http: httpx.AsyncClient) -> tuple[float, float] | None:
     return (hits, queries) if hits is not None and queries is not None else None
 
 
+async def settled_counters(http: httpx.AsyncClient, timeout: float = 5.0) -> tuple[float, float] | None:
+    """Counters once they stop moving: the scheduler's last push reaches /metrics a little later."""
+    deadline = time.monotonic() + timeout
+    last = await cache_counters(http)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        now = await cache_counters(http)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
     if before is None or after is None or after[1] <= before[1]:
         return None
@@ -326,8 +339,7 @@ async def bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
             dataset = make_dataset(args, PromptMaker(tokenizer, args.seed))
             before = await cache_counters(http)
             results, duration = await run_once(args, client, dataset, concurrency)
-            await asyncio.sleep(0.6)         # the server pushes scheduler counters twice a second
-            after = await cache_counters(http)
+            after = await settled_counters(http)
             runs.append(summarize_run(results, duration, concurrency, args.request_rate, hit_rate(before, after)))
     return {"base_url": base_url, "model": model, "tokenizer": getattr(tokenizer, "name_or_path", None),
             "runs": runs}

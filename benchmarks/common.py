@@ -322,11 +322,20 @@ class LaunchedServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if READY_LINE in self.log_path.read_text(errors="replace"):
+            if READY_LINE in self.log_path.read_text(errors="replace") or self._healthy():
                 return
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        """/health answers 200 once the server has started (quiet log levels hide the ready line)."""
+        import httpx
+
+        try:
+            return httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self, grace: float = 20.0) -> None:
         if self.proc.poll() is None:

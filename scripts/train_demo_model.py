@@ -286,9 +286,11 @@ def batches(rng: random.Random, split: Split, tokenizer, batch_size: int) -> Ite
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     while True:
         docs = [sample_document(rng, split) for _ in range(batch_size * 64)]
-        encoded = encode_documents(tokenizer, docs)
-        for i in range(0, len(encoded), batch_size):
-            yield make_batch(encoded[i:i + batch_size], pad_id)
+        encoded = sorted(encode_documents(tokenizer, docs), key=lambda item: len(item[0]))
+        chunks = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
+        rng.shuffle(chunks)  # length-bucketed batches (little padding), in random order
+        for chunk in chunks:
+            yield make_batch(chunk, pad_id)
 
 
 def train(model, data: Iterator[dict[str, torch.Tensor]], args: argparse.Namespace,
@@ -306,7 +308,8 @@ def train(model, data: Iterator[dict[str, torch.Tensor]], args: argparse.Namespa
     while (progress := progress_of(step, time.monotonic() - start)) < 1.0:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(progress, args.lr)
-        loss = model(**next(data)).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(**next(data)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -451,7 +454,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and the initial weights")
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 is much faster than 2 when other work shares the cores")
+    parser.add_argument("--no-bf16", dest="bf16", action="store_false",
+                        help="train in plain fp32 instead of bf16 autocast (weights are fp32 either way)")
     parser.add_argument("--eval-per-task", type=int, default=200, help="held-out prompts per task")
     return parser.parse_args(argv)
 

@@ -96,7 +96,7 @@ def test_bench_serving(server: Any, tmp_path: Path, dataset: str, backend: str) 
     for run in doc["runs"]:
         assert run["completed"] == 4 and run["failed"] == 0, run["errors"]
         assert run["ttft_ms"]["p50"] > 0 and run["output_throughput"] > 0
-        assert run["cache_hit_rate"] is not None
+        assert run["cache_hit_rate"] is not None, doc["runs"]
 
 
 def test_bench_prefix_cache_and_plots(server: Any, tmp_path: Path) -> None:

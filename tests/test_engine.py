@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,14 +356,17 @@ def test_children_die_with_a_killed_parent(llama_path: str, tmp_path):
         import sys, time, radixlm
         if __name__ == "__main__":
             eng = radixlm.Engine(model_path={llama_path!r}, max_total_tokens=4096)
+            print(eng.subprocesses.port_args.ipc_dir, flush=True)
             print(" ".join(str(p.pid) for p in eng.subprocesses.processes.values()), flush=True)
             time.sleep(600)
     """))
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
+        ipc_dir = parent.stdout.readline().strip()
         pids = [int(x) for x in parent.stdout.readline().split()]
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     finally:
         parent.kill()
         parent.wait()
     assert wait_gone(pids, 5.0) == []
+    shutil.rmtree(ipc_dir, ignore_errors=True)        # the killed parent could not remove it

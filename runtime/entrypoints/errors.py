@@ -85,6 +85,22 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
 
 
+def raise_if_rejected(out: Any) -> None:
+    """Raises APIError when a result (dict or list) was aborted with an HTTP status.
+
+    The scheduler rejects some input only after it was sent (an invalid regex or JSON schema found
+    while compiling the grammar): the request then finishes as `{"type": "abort", "message",
+    "status_code"}`, which the HTTP layer turns into that status.
+    """
+    for item in out if isinstance(out, list) else [out]:
+        reason = (item.get("meta_info") or {}).get("finish_reason") if isinstance(item, dict) else None
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            status = reason.get("status_code")
+            if isinstance(status, int) and 400 <= status < 600:
+                retry = {"Retry-After": "1"} if status in (429, 503) else None
+                raise APIError(status, str(reason.get("message") or "Request rejected"), headers=retry)
+
+
 def _exc_message(exc: BaseException) -> str:
     if isinstance(exc, KeyError) and exc.args:
         return f"Missing or invalid key: {exc.args[0]}"

@@ -25,7 +25,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.entrypoints.chat_template import ChatTemplate, resolve_chat_template
-from radixlm.runtime.entrypoints.errors import APIError, error_body, install_error_handlers, to_api_error
+from radixlm.runtime.entrypoints.errors import (
+    APIError,
+    error_body,
+    install_error_handlers,
+    raise_if_rejected,
+    to_api_error,
+)
 from radixlm.runtime.entrypoints.openai_api import OpenAIServing
 from radixlm.runtime.entrypoints.openai_format import DONE, SSEResponse, sse
 from radixlm.runtime.entrypoints.openai_protocol import (
@@ -275,6 +281,7 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
     stream = st.tm.generate(obj, request)
     try:
         first = await stream.__anext__()
+        raise_if_rejected(first)
     except StopAsyncIteration:
         raise APIError(500, "The request produced no output") from None
     except Exception as e:

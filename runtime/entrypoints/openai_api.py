@@ -22,8 +22,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from radixlm.runtime.entrypoints.chat_template import ChatTemplate, encode_chat, normalize_messages
-from radixlm.runtime.entrypoints.errors import APIError, to_api_error
-from radixlm.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.entrypoints.errors import APIError, raise_if_rejected, to_api_error
 from radixlm.runtime.entrypoints.openai_format import (
     SSEResponse,
     chat_choice,
@@ -32,6 +31,7 @@ from radixlm.runtime.entrypoints.openai_format import (
     completion_stream,
     usage_of,
 )
+from radixlm.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.managers.io_struct import GenerateReqInput
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
@@ -75,7 +75,8 @@ class OpenAIServing:
             raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
         prompts, is_batch = _split_prompt(req.prompt)
         prompt_texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
-        max_new = req.max_tokens if req.max_tokens is not None else self._room(self._longest(prompts))
+        max_new = _check_max_tokens(req.max_tokens, "max_tokens")
+        max_new = max_new if max_new is not None else self._room(self._longest(prompts))
         params = _sampling_params(req, max_new, n)
         return_logprob = top is not None
         obj = _generate_input(prompts, is_batch, params, req, return_logprob=return_logprob,
@@ -89,7 +90,6 @@ class OpenAIServing:
         items = await self._run(obj, raw)
         choices = [completion_choice(it, _index(it, k), echo[_index(it, k) // n], return_logprob)
                    for k, it in enumerate(items)]
-        _raise_on_error_abort(items)
         return _json({"id": meta.id, "object": "text_completion", "created": meta.created,
                       "model": self.model_name, "choices": choices, "usage": usage_of(items, n)})
 
@@ -119,7 +119,8 @@ class OpenAIServing:
         if len(input_ids) >= context:
             raise APIError(400, f"The prompt is {len(input_ids)} tokens long; the context length is {context} "
                                 f"and leaves no room for output", param="messages", code="context_length_exceeded")
-        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_new = _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+        max_new = max_new if max_new is not None else _check_max_tokens(req.max_tokens, "max_tokens")
         params = _sampling_params(req, max_new if max_new is not None else self._room(len(input_ids)), n)
         obj = _generate_input([input_ids], False, params, req, return_logprob=bool(req.logprobs),
                               logprob_start_len=-1, top=top or 0)
@@ -130,18 +131,22 @@ class OpenAIServing:
             return SSEResponse(chat_stream(stream, meta, bool(req.logprobs), include_usage))
         items = await self._run(obj, raw)
         choices = [chat_choice(it, _index(it, k), bool(req.logprobs)) for k, it in enumerate(items)]
-        _raise_on_error_abort(items)
         return _json({"id": meta.id, "object": "chat.completion", "created": meta.created,
                       "model": self.model_name, "choices": choices, "usage": usage_of(items, n),
                       "system_fingerprint": None})
 
     async def _run(self, obj: GenerateReqInput, raw: Request) -> list[dict[str, Any]]:
+        stream = self.tm.generate(obj, raw)
         try:
-            async for out in self.tm.generate(obj, raw):
-                return out if isinstance(out, list) else [out]
+            out = await stream.__anext__()
+        except StopAsyncIteration:
+            raise APIError(500, "The request produced no output") from None
         except Exception as e:
             raise to_api_error(e) from None
-        raise APIError(500, "The request produced no output")
+        finally:
+            await stream.aclose()
+        raise_if_rejected(out)
+        return out if isinstance(out, list) else [out]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -164,6 +169,11 @@ async def _start(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
     except Exception as e:
         await stream.aclose()
         raise to_api_error(e) from None
+    try:
+        raise_if_rejected(first)
+    except APIError:
+        await stream.aclose()
+        raise
 
     async def chained() -> AsyncIterator[Any]:
         try:
@@ -174,6 +184,12 @@ async def _start(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
             await stream.aclose()
 
     return chained()
+
+
+def _check_max_tokens(value: int | None, name: str) -> int | None:
+    if value is not None and value < 0:
+        raise APIError(400, f"{name} must be >= 0", param=name)
+    return value
 
 
 def _check_n(n: int | None) -> int:
@@ -242,15 +258,6 @@ def _generate_input(prompts: list[str | list[int]], is_batch: bool, params: dict
 def _index(item: dict[str, Any], position: int) -> int:
     index = item.get("index")
     return index if isinstance(index, int) else position
-
-
-def _raise_on_error_abort(items: list[dict[str, Any]]) -> None:
-    """An abort that carries an HTTP status (input rejected late, overload) becomes that error."""
-    for it in items:
-        reason = (it.get("meta_info") or {}).get("finish_reason") or {}
-        status = reason.get("status_code") if isinstance(reason, dict) else None
-        if reason.get("type") == "abort" and isinstance(status, int) and 400 <= status < 600:
-            raise APIError(status, str(reason.get("message") or "Request aborted"))
 
 
 def _json(body: dict[str, Any]) -> Response:

@@ -39,6 +39,7 @@ from radixlm.runtime.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReq,
 )
+from radixlm.runtime.router.dp_router import DPRouter
 from radixlm.runtime.managers.ipc import AsyncPuller, AsyncPusher, PortArgs
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
@@ -101,6 +102,11 @@ class TokenizerManager:
         self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
                         for r in range(server_args.dp_size)]
         self.dp_router: Callable[[TokenizedGenerateReq], int] | None = None   # set by a DP router
+        self.router: DPRouter | None = None
+        self._rank_of_rid: dict[str, int] = {}
+        if server_args.dp_size > 1:
+            self.router = DPRouter(server_args.load_balance_method, server_args.dp_size)
+            self.dp_router = lambda req: self.router.pick(req.input_ids)
         self._next_dp = 0
         self.rid_to_state: dict[str, ReqState] = {}
         self.latest_stats: SchedulerStats | None = None
@@ -217,6 +223,10 @@ class TokenizerManager:
             key = req.group_rid or req.rid
             if key not in rank_of_group:
                 rank_of_group[key] = self._pick_dp_rank(req)
+            elif self.router is not None:
+                self.router.in_flight[rank_of_group[key]] += 1
+            if self.router is not None:
+                self._rank_of_rid[req.rid] = rank_of_group[key]
             if self.server_args.log_requests:
                 logger.info("request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
             self.senders[rank_of_group[key]].send_nowait(req)
@@ -425,6 +435,9 @@ class TokenizerManager:
         st.last_token_time = now
 
     def _report_finished(self, st: ReqState, aborted: bool) -> None:
+        rank = self._rank_of_rid.pop(st.rid, None)
+        if rank is not None and self.router is not None and not st.reported:
+            self.router.finish(rank)
         if st.reported or self.metrics is None:
             st.reported = True
             return
@@ -447,7 +460,10 @@ class TokenizerManager:
         outs = await self._control(GetInternalStateReq(), GetInternalStateOut)
         if len(outs) == 1:
             return outs[0].state
-        return {**outs[0].state, "dp_states": [o.state for o in outs]}
+        state = {**outs[0].state, "dp_states": [o.state for o in outs]}
+        if self.router is not None:
+            state["dp_router"] = {"method": self.router.method, "replicas": self.router.stats()}
+        return state
 
     async def _control(self, req: Any, reply_type: type) -> list[Any]:
         """Sends a control request to every replica and waits for one reply each (FIFO matching)."""

@@ -1,0 +1,68 @@
+"""Scale-out through the real processes: TP=2 over gloo equals TP=1 and HF; DP=2 with the
+cache-aware router beats round-robin on prefix hits; a dead TP rank takes the engine down."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from helpers import hf_greedy, random_prompts
+
+import radixlm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_greedy_equals_hf(tiny_models, arch):
+    path = tiny_models[arch]
+    prompts = random_prompts(4, 1900, seed=31, shared=24, groups=2)
+    with radixlm.Engine(model_path=path, tp_size=2, dtype="float32", max_total_tokens=4000) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 10, "temperature": 0,
+                                                                "ignore_eos": True})
+        info = eng.get_server_info()
+    for out, prompt in zip(outs, prompts):
+        assert out["output_ids"] == hf_greedy(path, prompt, 10)
+    assert info["tp_size"] == 2
+
+
+def test_tp_size_must_divide_heads(llama_path):
+    with pytest.raises(RuntimeError, match="divisible"):
+        radixlm.Engine(model_path=llama_path, tp_size=3, dtype="float32", max_total_tokens=4000)
+
+
+def _prefix_hit_rate(path: str, method: str) -> float:
+    prompts = random_prompts(64, 1900, seed=32, shared=160, groups=8, lo=8, hi=16)
+    order = list(prompts)
+    random.Random(0).shuffle(order)          # groups arrive in no particular order
+    with radixlm.Engine(model_path=path, dp_size=2, load_balance_method=method, dtype="float32",
+                        max_total_tokens=20000) as eng:
+        for start in range(0, 64, 8):      # waves of 8 concurrent requests
+            eng.generate(input_ids=order[start:start + 8], sampling_params={"max_new_tokens": 2})
+        states = eng.get_server_info()["internal_states"][0]["dp_states"]
+    assert len(states) == 2 and all(s["prefix_cache_queries"] > 0 for s in states)   # both replicas used
+    hits = sum(s["prefix_cache_hits"] for s in states)
+    queries = sum(s["prefix_cache_queries"] for s in states)
+    return hits / queries
+
+
+def test_dp2_cache_aware_beats_round_robin(llama_path):
+    rr = _prefix_hit_rate(llama_path, "round_robin")
+    ca = _prefix_hit_rate(llama_path, "cache_aware")
+    assert ca > rr, (ca, rr)
+
+
+def test_killing_a_tp_rank_brings_engine_down(llama_path):
+    eng = radixlm.Engine(model_path=llama_path, tp_size=2, dtype="float32", max_total_tokens=4000)
+    try:
+        pid = eng.subprocesses.pid_of("scheduler dp0 tp1")
+        assert pid
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 200, "ignore_eos": True})
+        assert time.monotonic() - start < 10
+    finally:
+        eng.shutdown()
