@@ -286,14 +286,20 @@ async def cache_counters(http: httpx.AsyncClient) -> tuple[float, float] | None:
     return (hits, queries) if hits is not None and queries is not None else None
 
 
-async def settled_counters(http: httpx.AsyncClient, timeout: float = 5.0) -> tuple[float, float] | None:
-    """Counters once they stop moving: the scheduler's last push reaches /metrics a little later."""
-    deadline = time.monotonic() + timeout
+async def settled_counters(http: httpx.AsyncClient, min_wait: float = 1.2,
+                           timeout: float = 5.0) -> tuple[float, float] | None:
+    """Counters once they stop moving. The scheduler pushes its final counters when it notices it
+    went idle, which can take up to its idle poll period (1 s); a /get_server_info call wakes it."""
+    try:
+        await http.get("/get_server_info")
+    except httpx.HTTPError:
+        pass
+    start = time.monotonic()
     last = await cache_counters(http)
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+    while last is not None and time.monotonic() - start < timeout:
+        await asyncio.sleep(0.4)
         now = await cache_counters(http)
-        if now == last:
+        if now == last and time.monotonic() - start >= min_wait:
             return now
         last = now
     return last

@@ -37,8 +37,8 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-MODEL_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+MODEL_CONFIG = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=3,
+                    num_key_value_heads=1, max_position_embeddings=1024, rms_norm_eps=1e-6,
                     initializer_range=0.02, tie_word_embeddings=True,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 

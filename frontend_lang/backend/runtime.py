@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import httpx
+
 from radixlm.frontend_lang.backend.runtime_endpoint import RuntimeEndpoint
 
 

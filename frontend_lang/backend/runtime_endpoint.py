@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+
 from radixlm.frontend_lang.backend.base import BackendError, BaseBackend, PromptState
 from radixlm.frontend_lang.chat_template import detect_chat_template, get_chat_template
 from radixlm.frontend_lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide, mean_logprob

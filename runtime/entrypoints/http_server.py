@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.entrypoints.chat_template import ChatTemplate, resolve_chat_template
+from radixlm.runtime.entrypoints.dashboard import add_dashboard_routes
 from radixlm.runtime.entrypoints.errors import (
     APIError,
     error_body,
@@ -147,6 +148,7 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     install_error_handlers(app)
     _add_native_routes(app, app.state.server)
     _add_openai_routes(app, app.state.server.openai)
+    add_dashboard_routes(app, tokenizer_manager)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        max_request_bytes=server_args.max_request_bytes)
     return app

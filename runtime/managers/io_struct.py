@@ -112,6 +112,7 @@ class SchedulerStats:
     prefix_cache_queries: int            # cumulative, in tokens
     prefix_cache_hits: int
     late_divergence_misses: int = 0
+    generated_tokens: int = 0            # cumulative
     gen_throughput: float = 0.0
     dp_rank: int = 0
 

@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.outbox: list = []
         self.gen_tokens = deque(maxlen=64)     # (time, tokens) per step, for throughput
+        self.generated_tokens = 0
         self.last_stats = 0.0
 
     # --------------------------------------------------------------- loop
@@ -109,6 +110,7 @@ class Scheduler:
             for req, tid in zip(reqs, out.sample(reqs, logits.next_token_logits[idx])):
                 out.append_token(req, tid)
             self.gen_tokens.append((time.monotonic(), len(reqs)))
+            self.generated_tokens += len(reqs)
         for req in batch.reqs:
             if req.finished:
                 self._release(req)
@@ -196,7 +198,8 @@ class Scheduler:
             kv_evictable_tokens=evictable, max_total_tokens=alloc.size,
             num_preemptions=self.planner.num_retractions, prefix_cache_queries=self.planner.prefix_queries,
             prefix_cache_hits=self.planner.prefix_hits,
-            late_divergence_misses=self.planner.miss_diagnosis.count, gen_throughput=tput, dp_rank=self.dp_rank)
+            late_divergence_misses=self.planner.miss_diagnosis.count, generated_tokens=self.generated_tokens,
+            gen_throughput=tput, dp_rank=self.dp_rank)
 
     def internal_state(self) -> dict:
         alloc, pool = self.runner.allocator, self.runner.req_to_token_pool

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixlm.runtime.managers.admission_control import AdmissionControl
 from radixlm.runtime.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -109,6 +110,8 @@ class TokenizerManager:
             self.dp_router = lambda req: self.router.pick(req.input_ids)
         self._next_dp = 0
         self.rid_to_state: dict[str, ReqState] = {}
+        self.admission = AdmissionControl(server_args.max_queued_requests, server_args.dp_size * int(
+            scheduler_info.get("max_running_requests") or 1))
         self.latest_stats: SchedulerStats | None = None
         self.stats_by_dp_rank: dict[int, SchedulerStats] = {}
         self.dead_message: str | None = None
@@ -149,6 +152,7 @@ class TokenizerManager:
         self.start()
         self._check_alive()
         reqs, is_single, text_in_logprobs = self._prepare(obj)
+        self.admission.check(len(self.rid_to_state), len(reqs))   # OverloadedError: 503
         queue: asyncio.Queue = asyncio.Queue()
         states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids))
                   for i, r in enumerate(reqs)]

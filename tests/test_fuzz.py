@@ -1,0 +1,211 @@
+"""Fuzzing the real server: no input, valid or not, may produce a 5xx or bring the server down.
+
+Two fuzzers, against one server (tiny llama, CPU, loopback only):
+  * schemathesis reads the server's own `/openapi.json` and generates requests for every native
+    and OpenAI route, both schema-conforming (positive) and schema-violating (negative) ones;
+  * a hypothesis strategy builds JSON bodies for `/generate` and `/v1/chat/completions` that mix
+    known field names with random values of any JSON type, so that the requests get past the
+    pydantic layer and into SamplingParams, the TokenizerManager and the scheduler.
+
+Every response must be < 500; afterwards /health_generate works and no KV slot or req row leaked.
+The server runs with `--request-timeout 3`, which bounds the cost of a fuzzed request that asks
+for a long generation (the timeout is an abort, reported with 200, never a 5xx). CI mode runs a
+few hundred cases; `--runslow` runs several thousand.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+
+from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+
+SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "128", "--max-total-tokens", "4096",
+                "--request-timeout", "3", "--max-request-bytes", "262144")
+CI_EXAMPLES = 12            # per route and generation mode (schemathesis)
+SLOW_EXAMPLES = 150
+CI_RANDOM_JSON = 60         # per route (hypothesis)
+SLOW_RANDOM_JSON = 800
+CLIENT_TIMEOUT = 60.0
+FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,
+                     suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def server(llama_path: str):
+    srv = start_server(llama_path, *SERVER_FLAGS)
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def api_schema(server: ServerProcess) -> Any:
+    raw = httpx.get(server.url("/openapi.json"), timeout=30).json()
+    return schemathesis.openapi.from_dict(raw)
+
+
+class Tally:
+    """Status codes seen, and the first few 5xx (request and response) for the failure message."""
+
+    def __init__(self) -> None:
+        self.codes: Counter[int] = Counter()
+        self.failures: list[str] = []
+
+    def record(self, what: str, status: int, text: str) -> None:
+        self.codes[status] += 1
+        if status >= 500 and len(self.failures) < 5:
+            self.failures.append(f"{status} for {what}: {text[:300]}")
+
+    @property
+    def cases(self) -> int:
+        return sum(self.codes.values())
+
+
+def _check_healthy(server: ServerProcess) -> None:
+    assert server.alive(), f"the server died:\n{server.log_tail()}"
+    assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+    assert httpx.get(server.url("/health_generate"), timeout=60).status_code == 200
+    wait_kv_free(server, timeout=30)
+
+
+# ---------------------------------------------------------------------- schemathesis
+def _operations(schema: Any) -> list[Any]:
+    return [result.ok() for result in schema.get_all_operations()]
+
+
+def _fuzz_operation(op: Any, mode: GenerationMode, base_url: str, examples: int, tally: Tally,
+                    session: Any) -> None:
+    @settings(max_examples=examples, **FUZZ_SETTINGS)
+    @given(case=op.as_strategy(generation_mode=mode))
+    def run(case: Any) -> None:
+        response = case.call(base_url=base_url, session=session, timeout=CLIENT_TIMEOUT)
+        tally.record(f"{op.label} {mode.value} body={case.body!r:.300}", response.status_code, response.text)
+
+    try:
+        run()
+    except Unsatisfiable:
+        if mode is GenerationMode.POSITIVE:
+            raise   # a route without parameters has no negative cases; every route has positive ones
+
+
+def _run_schemathesis(server: ServerProcess, api_schema: Any, examples: int) -> Tally:
+    import requests
+
+    tally = Tally()
+    ops = _operations(api_schema)
+    labels = {op.label for op in ops}
+    for must in ("POST /generate", "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"):
+        assert must in labels, sorted(labels)
+    started = time.monotonic()
+    with requests.Session() as session:
+        for op in ops:
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                _fuzz_operation(op, mode, server.base_url, examples, tally, session)
+    print(f"\nschemathesis: {tally.cases} cases over {len(ops)} operations in {time.monotonic() - started:.1f} s, "
+          f"status codes {dict(sorted(tally.codes.items()))}")
+    return tally
+
+
+def test_schemathesis_no_server_errors(server: ServerProcess, api_schema: Any) -> None:
+    tally = _run_schemathesis(server, api_schema, CI_EXAMPLES)
+    assert not tally.failures, "\n".join(tally.failures)
+    assert tally.cases >= 100
+    _check_healthy(server)
+
+
+@pytest.mark.slow
+def test_schemathesis_no_server_errors_long(server: ServerProcess, api_schema: Any) -> None:
+    tally = _run_schemathesis(server, api_schema, SLOW_EXAMPLES)
+    assert not tally.failures, "\n".join(tally.failures)
+    _check_healthy(server)
+
+
+# ---------------------------------------------------------------------- random JSON
+JSON_SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | \
+    st.text(max_size=24)
+ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
+                 "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
+                 "regex", "json_schema", "ebnf", "logit_bias", "sampling_seed")
+# values that are plausible for many fields, so that more cases reach deep validation
+NEAR_VALID = st.sampled_from([0, 1, 2, 3, -1, 0.5, 1.5, 100000, "", "a", "[a-z]{3}", '{"type": "object"}',
+                              ["x"], [1, 2], {"5": 1.0}, True, False, None])
+VALUE = NEAR_VALID | ANY_JSON
+SMALL_TOKENS = st.integers(0, 6)
+
+
+def _fields(keys: tuple[str, ...]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.dictionaries(st.sampled_from(keys) | st.text(max_size=6), VALUE, max_size=len(keys) // 2 + 2)
+
+
+def _generate_body() -> st.SearchStrategy[dict[str, Any]]:
+    prompt = st.fixed_dictionaries({}, optional={
+        "text": st.text(max_size=40) | st.lists(st.text(max_size=12), max_size=3) | VALUE,
+        "input_ids": st.lists(st.integers(-5, 2100), max_size=12)
+        | st.lists(st.lists(st.integers(0, 2100), max_size=6), max_size=3) | VALUE})
+    sampling = _fields(SAMPLING_KEYS).map(lambda sp: {"max_new_tokens": 4, **sp}) | VALUE
+    top = _fields(("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                   "stream", "priority", "timeout"))
+    return st.tuples(prompt, sampling, top).map(lambda t: {**t[2], **t[0], "sampling_params": t[1]})
+
+
+def _chat_body() -> st.SearchStrategy[dict[str, Any]]:
+    role = st.sampled_from(["system", "user", "assistant", "developer", "tool", ""]) | VALUE
+    content = st.text(max_size=40) | st.sampled_from(["<|im_start|>system\nx", "<|im_end|>", "<|endoftext|>"]) \
+        | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | VALUE,
+                                          "text": st.text(max_size=10) | VALUE}), max_size=2) | VALUE
+    message = st.fixed_dictionaries({"role": role, "content": content}) | VALUE
+    keys = ("max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop", "temperature",
+            "top_p", "logprobs", "top_logprobs", "seed", "response_format", "logit_bias", "regex", "json_schema",
+            "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "tools", "model")
+    extras = _fields(keys)
+    return st.tuples(st.lists(message, max_size=3) | VALUE, extras, SMALL_TOKENS).map(
+        lambda t: {"messages": t[0], "max_tokens": t[2], **t[1]})
+
+
+def _post_random(server: ServerProcess, path: str, bodies: st.SearchStrategy, examples: int, tally: Tally) -> None:
+    with httpx.Client(timeout=CLIENT_TIMEOUT) as client:
+        @settings(max_examples=examples, **FUZZ_SETTINGS)
+        @given(body=bodies)
+        def run(body: Any) -> None:
+            content = json.dumps(body)
+            r = client.post(server.url(path), content=content, headers={"Content-Type": "application/json"})
+            tally.record(f"{path} {content[:300]}", r.status_code, r.text)
+
+        run()
+
+
+def _run_random_json(server: ServerProcess, examples: int) -> Tally:
+    tally = Tally()
+    _post_random(server, "/generate", _generate_body(), examples, tally)
+    _post_random(server, "/v1/chat/completions", _chat_body(), examples, tally)
+    print(f"\nrandom JSON: {tally.cases} cases, status codes {dict(sorted(tally.codes.items()))}")
+    return tally
+
+
+def test_random_json_no_server_errors(server: ServerProcess) -> None:
+    tally = _run_random_json(server, CI_RANDOM_JSON)
+    assert not tally.failures, "\n".join(tally.failures)
+    assert tally.codes[200] > 0, "no fuzzed request was valid: the strategy is too far off"
+    assert sum(n for code, n in tally.codes.items() if 400 <= code < 500) > 0
+    _check_healthy(server)
+
+
+@pytest.mark.slow
+def test_random_json_no_server_errors_long(server: ServerProcess) -> None:
+    tally = _run_random_json(server, SLOW_RANDOM_JSON)
+    assert not tally.failures, "\n".join(tally.failures)
+    _check_healthy(server)
