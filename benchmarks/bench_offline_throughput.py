@@ -25,8 +25,8 @@ examples:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ast
+import asyncio
 import os
 import random
 import sys
@@ -117,6 +117,7 @@ def run_engine(args: argparse.Namespace, model_path: str, work: list[tuple[list[
             t0 = time.perf_counter()
             outs = asyncio.run(_generate_all(engine, work))
             wall = time.perf_counter() - t0
+        rss = common.rss_breakdown(pid) if pid else {}
         out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
         expected = sum(n for _, n in work)
         if out_tokens != expected:
@@ -124,7 +125,7 @@ def run_engine(args: argparse.Namespace, model_path: str, work: list[tuple[list[
         return {"wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
                 "total_tok_s": (out_tokens + sum(len(p) for p, _ in work)) / wall,
                 "engine_args": kwargs, "kv": poller.summary(),
-                "scheduler_rss_idle_mib": rss_idle / 2**20,
+                "scheduler_rss_idle_mib": rss_idle / 2**20, "scheduler_rss_at_end_mib": rss,
                 "scheduler_rss_peak_mib": max(poller.peak_rss, common.rss_bytes(pid, peak=True) if pid else 0) / 2**20,
                 "max_total_tokens": engine.scheduler_info.get("max_total_tokens"),
                 "kv_bytes_per_token": engine.scheduler_info.get("kv_bytes_per_token")}
@@ -176,12 +177,13 @@ def run_hf(args: argparse.Namespace, model_path: str, work: list[tuple[list[int]
     wall = time.perf_counter() - t0
     sampler.stop_event.set()
     sampler.join()
+    rss_end = common.rss_breakdown(os.getpid())
     useful = sum(n for _, n in work)
     return {"wall_s": wall, "output_tokens": useful, "output_tok_s": useful / wall,
             "total_tok_s": (useful + sum(len(p) for p, _ in work)) / wall,
             "generated_tokens_incl_padding": computed, "batch_size": bs,
             "rss_before_mib": rss_before / 2**20, "rss_loaded_mib": rss_loaded / 2**20,
-            "rss_peak_mib": sampler.peak / 2**20, "rss_growth_peak_mib": (sampler.peak - rss_before) / 2**20}
+            "rss_peak_mib": sampler.peak / 2**20, "rss_at_end_mib": rss_end, "rss_growth_peak_mib": (sampler.peak - rss_before) / 2**20}
 
 
 def _hf_batch(model: Any, batch: list[tuple[list[int], int]]) -> int:
@@ -281,12 +283,14 @@ def table_of(r: dict[str, Any]) -> str:
         kv = e["kv"]
         note = (f"KV peak held {kv.get('peak_held_tokens')} slots, needed {kv.get('needed_at_peak')} "
                 f"(waste {kv['waste_at_peak']:.1%})" if "waste_at_peak" in kv else "KV waste not reported")
+        anon = e["scheduler_rss_at_end_mib"].get("RssAnon")
         rows.append(["radixlm Engine", e["wall_s"], e["output_tok_s"], e["total_tok_s"],
-                     e["scheduler_rss_peak_mib"], f"scheduler process; {note}"])
+                     e["scheduler_rss_peak_mib"], f"scheduler process (anon {common.fmt(anon, 0)} MiB); {note}"])
     if h:
         rows.append(["HF generate", h["wall_s"], h["output_tok_s"], h["total_tok_s"], h["rss_peak_mib"],
                      f"static batches of {h['batch_size']}, {h['generated_tokens_incl_padding']} tokens generated "
-                     f"incl. padding; RSS growth {h['rss_growth_peak_mib']:.0f} MiB"])
+                     f"incl. padding; whole process (anon {common.fmt(h['rss_at_end_mib'].get('RssAnon'), 0)} MiB), "
+                     f"growth {h['rss_growth_peak_mib']:.0f} MiB"])
     text = common.markdown_table(headers, rows)
     w = r["workload"]
     text += (f"\n\nWorkload: {w['num_requests']} requests, {w['input_tokens']} prompt + {w['output_tokens']} "

@@ -94,7 +94,7 @@ def run_batch(runner: Any, batch_size: int, input_len: int, decode_steps: int, s
 
 def _alloc(runner: Any, rows: list[int], prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
     table = runner.req_to_token_pool.req_to_token
-    last = [int(table[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens)]
+    last = [int(table[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens, strict=True)]
     loc = runner.allocator.alloc_extend(prefix_lens, seq_lens, last)
     if loc is None:
         raise RuntimeError("KV pool too small for this batch; raise --max-total-tokens")

@@ -61,8 +61,23 @@ def machine_info() -> dict[str, Any]:
         "hostname": platform.node(), "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(),
         "mem_total_gib": round(mem_total / 2**30, 1), "python": platform.python_version(),
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": _cpu_flags(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU features that decide bf16 matmul speed (AMX, AVX512-BF16, AVX512F)."""
+    wanted = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
 
 
 def read_cpu_times() -> tuple[int, int]:
@@ -113,6 +128,21 @@ def rss_bytes(pid: int, peak: bool = False) -> int:
     except OSError:
         pass
     return 0
+
+
+def rss_breakdown(pid: int) -> dict[str, float]:
+    """VmRSS, VmHWM (peak), RssAnon (heap: tensors, KV) and RssFile (mapped files, e.g. mmap'd
+    safetensors) of a process, in MiB; empty when the process is gone."""
+    out: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
 
 
 def process_name(pid: int) -> str:

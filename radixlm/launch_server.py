@@ -30,10 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     from radixlm.runtime.entrypoints.http_server import launch_server
 
-    launch_server(ServerArgs.from_cli_args(args))
+    try:
+        launch_server(ServerArgs.from_cli_args(args))
+    except (ValueError, RuntimeError, OSError) as e:   # startup errors: a message, not a traceback
+        print(f"radixlm-server: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

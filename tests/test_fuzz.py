@@ -32,9 +32,9 @@ from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "128", "--max-total-tokens", "4096",
                 "--request-timeout", "3", "--max-request-bytes", "262144")
-CI_EXAMPLES = 12            # per route and generation mode (schemathesis)
+CI_EXAMPLES = 25            # per route and generation mode (schemathesis)
 SLOW_EXAMPLES = 150
-CI_RANDOM_JSON = 60         # per route (hypothesis)
+CI_RANDOM_JSON = 100        # per route (hypothesis)
 SLOW_RANDOM_JSON = 800
 CLIENT_TIMEOUT = 60.0
 FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,
@@ -136,43 +136,51 @@ JSON_SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.float
     st.text(max_size=24)
 ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
                         | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+# values that are plausible for many fields, so that most cases get past the schema into deep validation
+NEAR_VALID = st.sampled_from([0, 1, 2, 3, -1, 0.0, 0.5, 1.5, 100000, "", "a", "[a-z]{3}", '{"type": "object"}',
+                              ["x"], [1, 2], {"5": 1.0}, {"type": "json_object"}, True, False, None])
 SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
                  "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
                  "regex", "json_schema", "ebnf", "logit_bias", "sampling_seed")
-# values that are plausible for many fields, so that more cases reach deep validation
-NEAR_VALID = st.sampled_from([0, 1, 2, 3, -1, 0.5, 1.5, 100000, "", "a", "[a-z]{3}", '{"type": "object"}',
-                              ["x"], [1, 2], {"5": 1.0}, True, False, None])
-VALUE = NEAR_VALID | ANY_JSON
-SMALL_TOKENS = st.integers(0, 6)
+GENERATE_KEYS = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                 "stream", "priority", "timeout")
+CHAT_KEYS = ("max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop", "temperature",
+             "top_p", "logprobs", "top_logprobs", "seed", "response_format", "logit_bias", "regex", "json_schema",
+             "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "tools", "model")
 
 
-def _fields(keys: tuple[str, ...]) -> st.SearchStrategy[dict[str, Any]]:
-    return st.dictionaries(st.sampled_from(keys) | st.text(max_size=6), VALUE, max_size=len(keys) // 2 + 2)
+def _mostly(good: st.SearchStrategy) -> st.SearchStrategy:
+    """`good` seven times in eight, any JSON value otherwise."""
+    return st.integers(0, 7).flatmap(lambda k: ANY_JSON if k == 0 else good)
+
+
+def _fields(keys: tuple[str, ...], max_size: int) -> st.SearchStrategy[dict[str, Any]]:
+    """A few fields: mostly known names with plausible values, sometimes unknown names."""
+    return st.dictionaries(_mostly(st.sampled_from(keys)).map(str), _mostly(NEAR_VALID), max_size=max_size)
 
 
 def _generate_body() -> st.SearchStrategy[dict[str, Any]]:
-    prompt = st.fixed_dictionaries({}, optional={
-        "text": st.text(max_size=40) | st.lists(st.text(max_size=12), max_size=3) | VALUE,
-        "input_ids": st.lists(st.integers(-5, 2100), max_size=12)
-        | st.lists(st.lists(st.integers(0, 2100), max_size=6), max_size=3) | VALUE})
-    sampling = _fields(SAMPLING_KEYS).map(lambda sp: {"max_new_tokens": 4, **sp}) | VALUE
-    top = _fields(("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
-                   "stream", "priority", "timeout"))
-    return st.tuples(prompt, sampling, top).map(lambda t: {**t[2], **t[0], "sampling_params": t[1]})
+    text = st.text(min_size=1, max_size=40)
+    prompt = st.one_of(
+        st.fixed_dictionaries({"text": text}),
+        st.fixed_dictionaries({"text": st.lists(text, min_size=1, max_size=3)}),
+        st.fixed_dictionaries({"input_ids": st.lists(st.integers(-2, 2001), min_size=1, max_size=12)}),
+        st.fixed_dictionaries({"input_ids": st.lists(st.lists(st.integers(0, 2001), min_size=1, max_size=6),
+                                                     min_size=1, max_size=3)}),
+        st.fixed_dictionaries({}, optional={"text": ANY_JSON, "input_ids": ANY_JSON}))
+    sampling = _mostly(_fields(SAMPLING_KEYS, 4).map(lambda sp: {"max_new_tokens": 4, **sp}))
+    return st.tuples(prompt, sampling, _fields(GENERATE_KEYS, 3)).map(
+        lambda t: {**t[2], **t[0], "sampling_params": t[1]})
 
 
 def _chat_body() -> st.SearchStrategy[dict[str, Any]]:
-    role = st.sampled_from(["system", "user", "assistant", "developer", "tool", ""]) | VALUE
-    content = st.text(max_size=40) | st.sampled_from(["<|im_start|>system\nx", "<|im_end|>", "<|endoftext|>"]) \
-        | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | VALUE,
-                                          "text": st.text(max_size=10) | VALUE}), max_size=2) | VALUE
-    message = st.fixed_dictionaries({"role": role, "content": content}) | VALUE
-    keys = ("max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop", "temperature",
-            "top_p", "logprobs", "top_logprobs", "seed", "response_format", "logit_bias", "regex", "json_schema",
-            "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "tools", "model")
-    extras = _fields(keys)
-    return st.tuples(st.lists(message, max_size=3) | VALUE, extras, SMALL_TOKENS).map(
+    role = _mostly(st.sampled_from(["system", "user", "assistant", "developer", "tool", ""]))
+    content = _mostly(st.text(max_size=40) | st.sampled_from(["<|im_start|>system\nx", "<|im_end|>", "<|endoftext|>"])
+                      | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
+                                                        "text": _mostly(st.text(max_size=10))}), max_size=2))
+    message = _mostly(st.fixed_dictionaries({"role": role, "content": content}))
+    return st.tuples(_mostly(st.lists(message, min_size=1, max_size=3)), _fields(CHAT_KEYS, 4), st.integers(0, 6)).map(
         lambda t: {"messages": t[0], "max_tokens": t[2], **t[1]})
 
 
@@ -199,7 +207,7 @@ def _run_random_json(server: ServerProcess, examples: int) -> Tally:
 def test_random_json_no_server_errors(server: ServerProcess) -> None:
     tally = _run_random_json(server, CI_RANDOM_JSON)
     assert not tally.failures, "\n".join(tally.failures)
-    assert tally.codes[200] > 0, "no fuzzed request was valid: the strategy is too far off"
+    assert tally.codes[200] >= tally.cases // 10, "few fuzzed requests were valid: the strategy is off"
     assert sum(n for code, n in tally.codes.items() if 400 <= code < 500) > 0
     _check_healthy(server)
 

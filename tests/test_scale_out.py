@@ -29,7 +29,7 @@ def test_tp2_greedy_equals_hf(tiny_models, arch):
 
 
 def test_tp_size_must_divide_heads(llama_path):
-    with pytest.raises(RuntimeError, match="divisible"):
+    with pytest.raises(ValueError, match="divisible"):
         radixlm.Engine(model_path=llama_path, tp_size=3, dtype="float32", max_total_tokens=4000)
 
 

@@ -138,7 +138,9 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
                         port_args: PortArgs | None = None, startup_timeout: float | None = None) -> Subprocesses:
     """Starts the schedulers and the detokenizer and waits until all are ready, then starts the
     watchdog when `on_child_death` is given. Raises RuntimeError (after stopping whatever started)
-    if a child fails or dies during startup."""
+    if a child fails or dies during startup. A bad model path, architecture, context length or
+    TP size is refused first, in this process, with ModelLoadError (a ValueError)."""
+    preflight(server_args)
     port_args = port_args or PortArgs.new()
     ctx = mp.get_context("spawn")
     subs = Subprocesses(server_args, port_args, [])
@@ -159,6 +161,14 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
     if on_child_death is not None:
         subs.start_watchdog(on_child_death)
     return subs
+
+
+def preflight(args: ServerArgs) -> None:
+    """Cheap checks of the model before any child starts (reads config.json only)."""
+    from radixlm.runtime.models.model_config import ModelConfig
+
+    config = ModelConfig.from_path(args.model_path, dtype=args.dtype, context_length=args.context_length)
+    config.check_tp_size(args.tp_size)
 
 
 def _replica_args(args: ServerArgs, dp_rank: int) -> ServerArgs:

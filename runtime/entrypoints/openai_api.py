@@ -74,24 +74,29 @@ class OpenAIServing:
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
         prompts, is_batch = _split_prompt(req.prompt)
-        prompt_texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
         max_new = _check_max_tokens(req.max_tokens, "max_tokens")
         max_new = max_new if max_new is not None else self._room(self._longest(prompts))
         params = _sampling_params(req, max_new, n)
         return_logprob = top is not None
         obj = _generate_input(prompts, is_batch, params, req, return_logprob=return_logprob,
                               logprob_start_len=0 if (return_logprob and req.echo) else -1, top=top or 0)
-        echo = [t if req.echo else "" for t in prompt_texts]
         meta = _ResponseMeta("cmpl-", self.model_name, n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = await _start(self.tm.generate(obj, raw))
+            echo = self._echo_texts(prompts, bool(req.echo))
             return SSEResponse(completion_stream(stream, meta, echo, return_logprob, include_usage))
         items = await self._run(obj, raw)
+        echo = self._echo_texts(prompts, bool(req.echo))
         choices = [completion_choice(it, _index(it, k), echo[_index(it, k) // n], return_logprob)
                    for k, it in enumerate(items)]
         return _json({"id": meta.id, "object": "text_completion", "created": meta.created,
                       "model": self.model_name, "choices": choices, "usage": usage_of(items, n)})
+
+    def _echo_texts(self, prompts: list[str | list[int]], echo: bool) -> list[str]:
+        """The prompt texts to echo. Call it only after the TokenizerManager accepted the request:
+        it checks token ids (decoding an out-of-vocab id raises OverflowError, a 500)."""
+        return [(p if isinstance(p, str) else self.tm.tokenizer.decode(p)) if echo else "" for p in prompts]
 
     def _room(self, prompt_len: int) -> int:
         """max_tokens null: all the room the context (and the KV pool) leaves after the prompt."""

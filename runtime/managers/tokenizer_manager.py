@@ -74,6 +74,7 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     jump_forward_tokens: int = 0
+    forward_passes: int = 0
     logprobs: dict[str, list] = field(default_factory=lambda: {
         "input_token_logprobs": [], "input_top_logprobs": [], "output_token_logprobs": [],
         "output_top_logprobs": []})
@@ -353,7 +354,8 @@ class TokenizerManager:
         meta: dict[str, Any] = {
             "id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
             "completion_tokens": st.completion_tokens, "cached_tokens": st.cached_tokens,
-            "e2e_latency": time.perf_counter() - st.created, "jump_forward_tokens": st.jump_forward_tokens}
+            "e2e_latency": time.perf_counter() - st.created, "jump_forward_tokens": st.jump_forward_tokens,
+            "forward_passes": st.forward_passes}
         if st.return_logprob:
             meta.update({k: list(v) for k, v in st.logprobs.items()})
         out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
@@ -413,6 +415,7 @@ class TokenizerManager:
         st.output_ids.extend(tok.new_token_ids)
         st.prompt_tokens, st.cached_tokens = tok.prompt_tokens, tok.cached_tokens
         st.completion_tokens, st.jump_forward_tokens = tok.completion_tokens, tok.jump_forward_tokens
+        st.forward_passes = tok.forward_passes
         if st.return_logprob:
             lp, t = st.logprobs, st.text_in_logprobs
             lp["input_token_logprobs"] += self._triples(tok.input_token_logprobs, t)
