@@ -312,9 +312,20 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
-def test_startup_failure_raises_the_child_error(tmp_path):
-    with pytest.raises(RuntimeError, match="failed to start.*does not exist"):
+def test_bad_model_path_is_refused_before_any_child_starts(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
         radixlm.Engine(model_path=str(tmp_path / "no-such-model"))
+
+
+def test_startup_failure_raises_the_child_error(tmp_path, llama_path):
+    import shutil
+
+    broken = tmp_path / "no-weights"
+    shutil.copytree(llama_path, broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()                      # config.json is fine (preflight passes); loading fails in the child
+    with pytest.raises(RuntimeError, match="failed to start"):
+        radixlm.Engine(model_path=str(broken))
 
 
 @pytest.mark.parametrize("victim", ["scheduler", pytest.param("detokenizer", marks=pytest.mark.slow)])

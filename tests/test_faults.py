@@ -36,6 +36,9 @@ OVERLOAD_FLAGS = (*BASE_FLAGS, "--context-length", "2048", "--max-total-tokens",
                   "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
                   "--max-request-bytes", str(MAX_BYTES), "--request-timeout", str(REQUEST_TIMEOUT))
 FAULT_FLAGS = (*BASE_FLAGS, "--context-length", "1024", "--max-total-tokens", "8192")
+# one torch thread in the scheduler: on a shared 2-core machine two spinning OpenMP threads make a
+# tiny model's decode step up to 100x slower (MACHINE_FACTS.md, Noise)
+ONE_THREAD = {"RADIXLM_NUM_THREADS": "1"}
 DEATH_LIMIT_S = 5.0
 LONG = {"max_new_tokens": 900, "ignore_eos": True, "temperature": 0}
 TIMEOUT_REASON = {"type": "abort", "message": "timeout"}
@@ -43,7 +46,7 @@ TIMEOUT_REASON = {"type": "abort", "message": "timeout"}
 
 @pytest.fixture(scope="module")
 def server(llama_path: str):
-    srv = start_server(llama_path, *OVERLOAD_FLAGS)
+    srv = start_server(llama_path, *OVERLOAD_FLAGS, env=ONE_THREAD)
     yield srv
     code = srv.stop()
     assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
@@ -322,7 +325,7 @@ def _assert_no_survivors(tree: list[int], grace: float = 5.0) -> None:
 
 @pytest.mark.parametrize("endpoint", ["scheduler", "detokenizer"])
 def test_child_killed_mid_traffic(llama_path: str, endpoint: str) -> None:
-    srv = start_server(llama_path, *FAULT_FLAGS)
+    srv = start_server(llama_path, *FAULT_FLAGS, env=ONE_THREAD)
     try:
         target = child_with_endpoint(srv, endpoint)
         tree = descendants(srv.proc.pid)

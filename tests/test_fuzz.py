@@ -32,6 +32,9 @@ from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "128", "--max-total-tokens", "4096",
                 "--request-timeout", "3", "--max-request-bytes", "262144")
+# one torch thread in the scheduler: on a shared 2-core machine two spinning OpenMP threads make a
+# tiny model's decode step up to 100x slower (MACHINE_FACTS.md, Noise)
+ONE_THREAD = {"RADIXLM_NUM_THREADS": "1"}
 CI_EXAMPLES = 25            # per route and generation mode (schemathesis)
 SLOW_EXAMPLES = 150
 CI_RANDOM_JSON = 100        # per route (hypothesis)
@@ -43,7 +46,7 @@ FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,
 
 @pytest.fixture(scope="module")
 def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS)
+    srv = start_server(llama_path, *SERVER_FLAGS, env=ONE_THREAD)
     yield srv
     code = srv.stop()
     assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"

@@ -15,10 +15,8 @@ watchdog reports a dead child (`fail_all`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -40,15 +38,14 @@ from radixlm.runtime.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReq,
 )
-from radixlm.runtime.router.dp_router import DPRouter
 from radixlm.runtime.managers.ipc import AsyncPuller, AsyncPusher, PortArgs
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.managers.request_builder import RequestBuilder
+from radixlm.runtime.router.dp_router import DPRouter
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 1.0
-PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
 def load_tokenizer(server_args: ServerArgs) -> Any:
@@ -99,6 +96,8 @@ class TokenizerManager:
         self.context_len: int = int(scheduler_info["context_len"])
         self.vocab_size: int = int(scheduler_info.get("vocab_size") or len(self.tokenizer))
         self.max_total_tokens: int | None = scheduler_info.get("max_total_tokens")
+        self.requests = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
+                                       self.max_total_tokens)
         self.ctx = zmq.asyncio.Context()
         self.puller = AsyncPuller(self.ctx, port_args.tokenizer_input)
         self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
@@ -152,7 +151,7 @@ class TokenizerManager:
         input (before anything is sent) and RuntimeError when the runtime failed."""
         self.start()
         self._check_alive()
-        reqs, is_single, text_in_logprobs = self._prepare(obj)
+        reqs, is_single, text_in_logprobs = self.requests.build(obj, self.rid_to_state)
         self.admission.check(len(self.rid_to_state), len(reqs))   # OverloadedError: 503
         queue: asyncio.Queue = asyncio.Queue()
         states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids))
@@ -246,108 +245,6 @@ class TokenizerManager:
     def _send_all(self, msg: Any) -> None:
         for sender in self.senders:
             sender.send_nowait(msg)
-
-    # ------------------------------------------------------------ validation
-    def _prepare(self, obj: GenerateReqInput) -> tuple[list[TokenizedGenerateReq], bool, bool]:
-        """Normalizes single/batch input into wire requests (n > 1 expanded). Raises ValueError."""
-        items, is_single = self._split_items(obj)
-        texts = [it["text"] for it in items if it.get("text") is not None]
-        encoded = iter(self.tokenizer(texts)["input_ids"]) if texts else iter(())
-        reqs: list[TokenizedGenerateReq] = []
-        for i, it in enumerate(items):
-            ids = list(next(encoded)) if it.get("text") is not None else it["input_ids"]
-            where = "" if is_single else f"item {i}: "
-            try:
-                reqs.extend(self._make_reqs(it, ids, obj))
-            except ValueError as e:
-                raise ValueError(f"{where}{e}") from None
-        rids = [r.rid for r in reqs]
-        if len(set(rids)) != len(rids) or any(rid in self.rid_to_state for rid in rids):
-            raise ValueError("Duplicate request id (rid) among the requests in flight")
-        return reqs, is_single and len(reqs) == 1, bool(obj.return_text_in_logprobs)
-
-    def _split_items(self, obj: GenerateReqInput) -> tuple[list[dict[str, Any]], bool]:
-        """One dict of per-item fields for each prompt of the request."""
-        if (obj.text is None) == (obj.input_ids is None):
-            raise ValueError("Exactly one of `text` and `input_ids` must be given")
-        if obj.text is not None:
-            if isinstance(obj.text, str):
-                prompts, is_single = [obj.text], True
-            elif isinstance(obj.text, list) and all(isinstance(t, str) for t in obj.text):
-                prompts, is_single = list(obj.text), False
-            else:
-                raise ValueError("`text` must be a string or a list of strings")
-            key = "text"
-        else:
-            ids = obj.input_ids
-            if not isinstance(ids, list):
-                raise ValueError("`input_ids` must be a list of token ids or a list of such lists")
-            is_single = not ids or not isinstance(ids[0], list)
-            prompts = [ids] if is_single else ids
-            key = "input_ids"
-        if not prompts:
-            raise ValueError("The batch is empty")
-        items = [{key: p} for p in prompts]
-        for name in PER_ITEM_FIELDS:
-            value = getattr(obj, name)
-            if isinstance(value, list):
-                if is_single or len(value) != len(items):
-                    raise ValueError(f"`{name}` must be a single value or a list with one entry per prompt")
-                for it, v in zip(items, value, strict=True):
-                    it[name] = v
-            elif name == "rid" and value is not None and not is_single:
-                raise ValueError("`rid` must be a list with one id per prompt for a batch")
-            else:
-                for it in items:
-                    it[name] = value
-        return items, is_single
-
-    def _make_reqs(self, it: dict[str, Any], ids: Any, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
-        self._check_ids(ids)
-        raw_params = it["sampling_params"]
-        params = SamplingParams.from_dict(raw_params)
-        params.verify_vocab(self.vocab_size)
-        self._check_lengths(len(ids), params, explicit=bool(raw_params) and raw_params.get("max_new_tokens")
-                            is not None)
-        start = it["logprob_start_len"]
-        start = -1 if start is None else start
-        top_n = it["top_logprobs_num"] or 0
-        if not isinstance(start, int) or start < -1:
-            raise ValueError("logprob_start_len must be -1 (output only) or a prompt position >= 0")
-        if not isinstance(top_n, int) or not 0 <= top_n <= self.vocab_size:
-            raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}]")
-        rid = it["rid"] if it["rid"] is not None else uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("rid must be a non-empty string")
-        base = dict(input_ids=list(ids), return_logprob=bool(it["return_logprob"]), logprob_start_len=start,
-                    top_logprobs_num=top_n, stream=bool(obj.stream), priority=obj.priority or 0,
-                    timeout=obj.timeout if obj.timeout is not None else self.server_args.request_timeout)
-        if params.n == 1:
-            return [TokenizedGenerateReq(rid=rid, sampling_params=params, **base)]
-        return [TokenizedGenerateReq(rid=f"{rid}-{j}", sampling_params=_sample_params(params, j),
-                                     group_rid=rid, **base) for j in range(params.n)]
-
-    def _check_ids(self, ids: Any) -> None:
-        if not isinstance(ids, list) or not ids:
-            raise ValueError("The input is empty: give a non-empty prompt")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"Input token id {t!r} is not an integer in [0, {self.vocab_size})")
-
-    def _check_lengths(self, prompt_len: int, params: SamplingParams, explicit: bool) -> None:
-        """Prompt and output must fit the context; an implicit max_new_tokens is clamped to it."""
-        ctx = self.context_len
-        if prompt_len > ctx or (prompt_len == ctx and params.max_new_tokens > 0):
-            raise ValueError(f"The input has {prompt_len} tokens, which does not leave room to generate "
-                             f"in the model's context length of {ctx} tokens")
-        if explicit and prompt_len + params.max_new_tokens > ctx:
-            raise ValueError(f"Requested {prompt_len} prompt tokens + {params.max_new_tokens} max_new_tokens "
-                             f"= {prompt_len + params.max_new_tokens}, more than the context length of {ctx}")
-        params.max_new_tokens = min(params.max_new_tokens, ctx - prompt_len)
-        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-        if self.max_total_tokens and prompt_len + params.max_new_tokens > self.max_total_tokens:
-            raise ValueError(f"The request needs up to {prompt_len + params.max_new_tokens} tokens of KV cache, "
-                             f"but the KV pool holds only {self.max_total_tokens}")
 
     # --------------------------------------------------------------- output
     def _make_output(self, st: ReqState, index: int | None) -> dict[str, Any]:
@@ -507,9 +404,3 @@ class TokenizerManager:
                 fut = waiters.popleft()
                 if not fut.done():
                     fut.set_exception(RuntimeError(message))
-
-
-def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The params of sample j of an n > 1 request: n = 1, and a distinct seed when one is set."""
-    seed = None if params.sampling_seed is None else params.sampling_seed + j
-    return dataclasses.replace(params, n=1, sampling_seed=seed)
