@@ -150,7 +150,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
                 raise ValueError(f"logit_bias key {k!r} is not a token id") from None
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError("logit_bias values must be numbers")
-            out[tid] = float(v)
+            out[tid] = _finite_float("logit_bias values", v)
         return out
     if name == "stop":
         if isinstance(value, str):
@@ -175,15 +175,24 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
             raise ValueError(f"{name} must be a boolean")
         return value
     if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            raise ValueError(f"{name} must be an integer")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                isinstance(value, float) and not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{name} must be an integer")   # (int(inf) would raise OverflowError)
         return int(value)
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number")
-        return float(value)
+        return _finite_float(name, value)
     if default is None or isinstance(default, str):
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a string")
         return value
     return value
+
+
+def _finite_float(name: str, value: int | float) -> float:
+    """float(value), refusing integers beyond the float range (float() raises OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number") from None

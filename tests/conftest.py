@@ -15,8 +15,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads OpenMP: sleeping (not spinning) worker threads keep the many test processes
+# on a small machine from starving each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_SCRIPT = REPO_ROOT / "scripts" / "make_tiny_models.py"

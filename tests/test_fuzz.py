@@ -3,9 +3,9 @@
 Two fuzzers, against one server (tiny llama, CPU, loopback only):
   * schemathesis reads the server's own `/openapi.json` and generates requests for every native
     and OpenAI route, both schema-conforming (positive) and schema-violating (negative) ones;
-  * a hypothesis strategy builds JSON bodies for `/generate` and `/v1/chat/completions` that mix
-    known field names with random values of any JSON type, so that the requests get past the
-    pydantic layer and into SamplingParams, the TokenizerManager and the scheduler.
+  * a hypothesis strategy builds JSON bodies for `/generate`, `/v1/chat/completions` and
+    `/v1/completions` that mix known field names with random values of any JSON type, so that the
+    requests get past the pydantic layer into SamplingParams, the TokenizerManager and the scheduler.
 
 Every response must be < 500; afterwards /health_generate works and no KV slot or req row leaked.
 The server runs with `--request-timeout 3`, which bounds the cost of a fuzzed request that asks
@@ -140,8 +140,9 @@ JSON_SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.float
 ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
                         | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 # values that are plausible for many fields, so that most cases get past the schema into deep validation
-NEAR_VALID = st.sampled_from([0, 1, 2, 3, -1, 0.0, 0.5, 1.5, 100000, "", "a", "[a-z]{3}", '{"type": "object"}',
-                              ["x"], [1, 2], {"5": 1.0}, {"type": "json_object"}, True, False, None])
+NEAR_VALID = st.sampled_from([0, 1, 2, 3, -1, 0.0, 0.5, 1.5, 100000, 10**400, float("inf"), float("nan"), "", "a",
+                              "[a-z]{3}", '{"type": "object"}', ["x"], [1, 2], {"5": 1.0}, {"type": "json_object"},
+                              True, False, None])
 SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
                  "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
@@ -187,6 +188,16 @@ def _chat_body() -> st.SearchStrategy[dict[str, Any]]:
         lambda t: {"messages": t[0], "max_tokens": t[2], **t[1]})
 
 
+def _completion_body() -> st.SearchStrategy[dict[str, Any]]:
+    ids = st.lists(st.integers(-3, 2003) | st.integers(-2**63, 2**63), min_size=1, max_size=8)
+    prompt = _mostly(st.text(min_size=1, max_size=30) | ids | st.lists(ids, min_size=1, max_size=3)
+                     | st.lists(st.text(max_size=10), min_size=1, max_size=3))
+    keys = ("max_tokens", "n", "stream", "echo", "logprobs", "stop", "temperature", "seed", "suffix", "best_of",
+            "regex", "ignore_eos", "stream_options", "model")
+    return st.tuples(prompt, _fields(keys, 4), st.integers(0, 6)).map(
+        lambda t: {"prompt": t[0], "max_tokens": t[2], **t[1]})
+
+
 def _post_random(server: ServerProcess, path: str, bodies: st.SearchStrategy, examples: int, tally: Tally) -> None:
     with httpx.Client(timeout=CLIENT_TIMEOUT) as client:
         @settings(max_examples=examples, **FUZZ_SETTINGS)
@@ -203,6 +214,7 @@ def _run_random_json(server: ServerProcess, examples: int) -> Tally:
     tally = Tally()
     _post_random(server, "/generate", _generate_body(), examples, tally)
     _post_random(server, "/v1/chat/completions", _chat_body(), examples, tally)
+    _post_random(server, "/v1/completions", _completion_body(), examples, tally)
     print(f"\nrandom JSON: {tally.cases} cases, status codes {dict(sorted(tally.codes.items()))}")
     return tally
 
@@ -220,3 +232,37 @@ def test_random_json_no_server_errors_long(server: ServerProcess) -> None:
     tally = _run_random_json(server, SLOW_RANDOM_JSON)
     assert not tally.failures, "\n".join(tally.failures)
     _check_healthy(server)
+
+
+# ---------------------------------------------------------------------- regressions the fuzzers found
+@pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("ids", [[7653120784172, 5753], [5, -1], [2000]])
+def test_completions_out_of_vocab_ids_are_400(server: ServerProcess, ids: list[int], echo: bool,
+                                              stream: bool) -> None:
+    """/v1/completions decoded token-id prompts (for echo) before they were validated: an id
+    outside the vocabulary raised OverflowError -> 500. Now the TokenizerManager checks them first."""
+    body = {"model": "m", "prompt": ids, "max_tokens": 2, "echo": echo, "stream": stream}
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert "token id" in r.json()["error"]["message"]
+
+
+NUMERIC_SAMPLING = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                    "presence_penalty", "repetition_penalty", "n")
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400", "1" + "0" * 400],
+                         ids=["nan", "inf", "-inf", "1e400", "400-digit-int"])
+def test_non_finite_numbers_are_400(server: ServerProcess, literal: str) -> None:
+    """Python's JSON parser accepts NaN, Infinity and integers of any size. `top_k: Infinity` (and
+    a float field given a 400-digit integer) raised OverflowError in SamplingParams -> 500."""
+    for name in NUMERIC_SAMPLING:
+        content = f'{{"text": "a", "sampling_params": {{"{name}": {literal}}}}}'
+        r = httpx.post(server.url("/generate"), content=content, headers={"Content-Type": "application/json"},
+                       timeout=CLIENT_TIMEOUT)
+        huge_top_k = name == "top_k" and literal.isdigit()   # a top_k beyond the vocabulary: disabled, fine
+        assert r.status_code == (200 if huge_top_k else 400), (name, literal[:10], r.text[:200])
+    bias = f'{{"text": "a", "sampling_params": {{"logit_bias": {{"5": {literal}}}}}}}'
+    r = httpx.post(server.url("/generate"), content=bias, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text[:200]

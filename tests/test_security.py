@@ -196,3 +196,17 @@ def test_json_schema_ref_to_a_file_is_not_followed(server: ServerProcess, tmp_pa
         assert 400 <= r.status_code < 500, (ref, r.status_code, r.text[:300])
         assert "TOPSECRET" not in r.text
     wait_kv_free(server)
+
+
+def test_path_like_request_fields_open_nothing(server: ServerProcess) -> None:
+    """Model names and ids are names, never paths: a traversal gets 404 / the served model."""
+    for model_id in ("../../../../etc/passwd", "%2e%2e/%2e%2e/etc/passwd", "/etc/passwd"):
+        r = httpx.get(server.url(f"/v1/models/{model_id}"), headers=auth(API_KEY), timeout=30)
+        assert r.status_code == 404 and "root:" not in r.text, (model_id, r.status_code)
+    chat = {"model": "/etc/passwd", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(server.url("/v1/chat/completions"), json=chat, headers=auth(API_KEY), timeout=60)
+    assert r.status_code == 200 and "root:" not in r.text
+    assert r.json()["model"] != "/etc/passwd"
+    lora = {"text": "x", "lora_path": "/etc/passwd", "sampling_params": {"max_new_tokens": 1}}
+    r = httpx.post(server.url("/generate"), json=lora, headers=auth(API_KEY), timeout=60)
+    assert r.status_code == 400 and "root:" not in r.text

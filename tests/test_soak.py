@@ -1,10 +1,10 @@
 """Soak: hundreds (CI) or thousands (`--runslow`) of mixed requests against one real server whose
 KV pool is small (1500 tokens), so that the radix cache evicts and the scheduler preempts.
 
-The mix, drawn from a seeded RNG: greedy requests whose solo output is known (35%), sampled ones
-(15%), n > 1 (8%), regex-constrained ones (7%), OpenAI chat (10%), batches (5%), client
-disconnects mid-stream (10%), explicit aborts through /abort_request (5%) and invalid requests
-(5%); about half of the requests stream. The run has two halves with an idle point in between.
+The mix, drawn from a seeded RNG: greedy requests whose solo output is known (32%), sampled ones
+(15%), n > 1 (8%), regex-constrained ones (7%), OpenAI chat (10%), batches (5%), requests with a
+short `timeout` (3%), client disconnects (10%: mid-stream, or a plain request given up on),
+explicit aborts through /abort_request (5%) and invalid requests (5%); about half stream. The run has two halves with an idle point in between.
 
 Afterwards:
   * every valid request that was neither aborted nor cut off completed (stop/length), and every
@@ -45,7 +45,7 @@ NUM_REFS = 12
 REGEX = r"(yes|no): [0-9]{1,3}"
 WORDS = ("def", "return", "self", "import", "class", "value", "for", "in", "range", "print", "if", "else",
          "list", "dict", "x", "y", "=", "(", ")", ":", "+", "1", "2", "None", "True", "data", "item")
-KINDS = (("greedy", 35), ("sample", 15), ("n", 8), ("regex", 7), ("chat", 10), ("batch", 5),
+KINDS = (("greedy", 32), ("sample", 15), ("n", 8), ("regex", 7), ("chat", 10), ("batch", 5), ("timeout", 3),
          ("disconnect", 10), ("abort", 5), ("invalid", 5))
 INVALID_BODIES: list[tuple[str, Any]] = [
     ("/generate", {"text": ""}),
@@ -94,7 +94,7 @@ def solo_references(server: ServerProcess) -> Refs:
     prompts = [(header + " " if i % 2 else "") + random_text(rng, 4, 60) for i in range(NUM_REFS)]
     new_tokens = [rng.randint(8, 96) for _ in range(NUM_REFS)]
     texts, ids = [], []
-    for prompt, n in zip(prompts, new_tokens):
+    for prompt, n in zip(prompts, new_tokens, strict=True):
         r = httpx.post(server.url("/generate"), json=_greedy_body(prompt, n), timeout=120)
         r.raise_for_status()
         out = r.json()
@@ -134,7 +134,7 @@ class Soak:
         self.results: list[Result] = []
 
     def plan(self, n: int) -> list[tuple[int, str]]:
-        kinds, weights = zip(*KINDS)
+        kinds, weights = zip(*KINDS, strict=True)
         return [(i, self.rng.choices(kinds, weights)[0]) for i in range(n)]
 
     async def run(self, plan: list[tuple[int, str]]) -> None:
@@ -160,8 +160,11 @@ class Soak:
             return r.status_code, json.loads(text)
         events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
-            return -1, events
-        return r.status_code, [json.loads(e) for e in events[:-1]]
+            return -1, events                                    # -1: the stream did not end properly
+        parsed = [json.loads(e) for e in events[:-1]]
+        if any("error" in ev for ev in parsed):
+            return -2, parsed                                    # -2: an error event inside a 200 stream
+        return r.status_code, parsed
 
     @staticmethod
     def _check_finished(result: Result, meta: dict, max_tokens: int) -> None:
@@ -214,7 +217,11 @@ class Soak:
         n, max_new = rng.randint(2, 3), rng.randint(1, 60)
         body = {"text": random_text(rng, 2, 60), "sampling_params": {"max_new_tokens": max_new, "n": n,
                                                                       "temperature": 0.7}}
-        return self._many("n", *await self._post(client, "/generate", body, False), n, max_new)
+        stream = rng.random() < 0.5
+        status, out = await self._post(client, "/generate", body, stream)
+        if stream and status == 200:   # the last chunk of each sample
+            out = list({ev["index"]: ev for ev in out}.values())
+        return self._many("n", status, out, n, max_new)
 
     async def _batch(self, client: httpx.AsyncClient, rng: random.Random, i: int) -> Result:
         size, max_new = rng.randint(2, 4), rng.randint(1, 40)
@@ -250,6 +257,13 @@ class Soak:
     async def _disconnect(self, client: httpx.AsyncClient, rng: random.Random, i: int) -> Result:
         body = {"text": random_text(rng, 2, 60), "stream": True,
                 "sampling_params": {"max_new_tokens": rng.randint(40, 200), "ignore_eos": True}}
+        if rng.random() < 0.3:         # not streaming: the client gives up waiting
+            try:
+                await asyncio.wait_for(client.post(self.server.url("/generate"), json={**body, "stream": False}),
+                                       rng.uniform(0.01, 0.2))
+            except asyncio.TimeoutError:
+                pass
+            return Result("disconnect", "disconnected")
         keep = rng.randint(1, 3)
         async with client.stream("POST", self.server.url("/generate"), json=body) as r:
             seen = 0
@@ -258,6 +272,19 @@ class Soak:
                 if seen >= keep:
                     break      # leaving the block closes the connection mid-stream
         return Result("disconnect", "disconnected")
+
+    async def _timeout(self, client: httpx.AsyncClient, rng: random.Random, i: int) -> Result:
+        params: dict[str, Any] = {"max_new_tokens": rng.randint(100, 400), "ignore_eos": True}
+        if rng.random() < 0.3:
+            params = {"max_new_tokens": 64, "regex": f"[a-z]{{{rng.randint(1, 5)}}}( [0-9]+)*"}
+        body = {"text": random_text(rng, 2, 60), "timeout": rng.uniform(0.0, 0.3), "sampling_params": params}
+        status, out = await self._post(client, "/generate", body, rng.random() < 0.5)
+        res = Result("timeout", status)
+        reason = ((out[-1] if isinstance(out, list) else out).get("meta_info") or {}).get("finish_reason") \
+            if status == 200 and out else None
+        if not reason or reason["type"] not in ("length", "stop") and reason != {"type": "abort", "message": "timeout"}:
+            res.problems.append(f"timed request: status {status}, finish_reason {reason}")
+        return res
 
     async def _abort(self, client: httpx.AsyncClient, rng: random.Random, i: int) -> Result:
         rid = f"soak-abort-{i}-{rng.randrange(10**9)}"
