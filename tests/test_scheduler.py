@@ -152,7 +152,8 @@ def test_input_logprobs_match_hf(llama_path):
     from radixlm.runtime.sampling_params import SamplingParams
 
     prompt = random_prompts(1, 1900, seed=6, lo=30, hi=30)[0]
-    logits = hf_model(llama_path)(torch.tensor([prompt])).logits[0].float()
+    with torch.no_grad():
+        logits = hf_model(llama_path)(torch.tensor([prompt])).logits[0].float()
     ref = torch.log_softmax(logits, -1)
     h = SchedulerHarness(llama_path, chunked_prefill_size=16)
     h.submit("warm", prompt[:20], max_new_tokens=1)      # puts a prefix in the cache

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from radixlm.kernels.vocab_mask import allocate_vocab_mask, vocab_mask_to_bool
 from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from radixlm.runtime.layers.sampler import Sampler
 from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo
@@ -78,11 +79,11 @@ class OutputProcessor:
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         mask = None
         if any(r.grammar is not None for r in reqs):
-            mask = torch.ones(len(reqs), self.vocab_size, dtype=torch.bool)
+            words = allocate_vocab_mask(len(reqs), self.vocab_size)     # int32 bitmask, all allowed
             for i, r in enumerate(reqs):
                 if r.grammar is not None:
-                    r.grammar.fill_vocab_mask(mask[i])
-            mask = mask.to(self.device)
+                    r.grammar.fill_vocab_mask(words[i])
+            mask = vocab_mask_to_bool(words, self.vocab_size).to(self.device)
         info = SamplingBatchInfo.build([r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs],
                                        [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
                                        self.device, vocab_mask=mask)
