@@ -102,7 +102,7 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if tid < 0:
                 bad("stop_token_ids must be non-negative")
-        for tid, bias in self.logit_bias.items():
+        for bias in self.logit_bias.values():
             if not math.isfinite(bias):
                 bad("logit_bias values must be finite")
 

@@ -221,8 +221,9 @@ def check_greedy(hf, path: str, backend: str, page_size: int, dtype: str, prompt
 
 def model_checks(results: list[Result], model_paths: dict[str, str], dtype: str, n_new: int,
                  tie_tol: float) -> None:
-    from radixlm.runtime.layers.attention.flashinfer_backend import flashinfer_unsupported_reason
     from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.layers.attention.flashinfer_backend import flashinfer_unsupported_reason
 
     for name, path in model_paths.items():
         cfg = json.loads((Path(path) / "config.json").read_text())

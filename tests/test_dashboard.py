@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from server_fixtures import start_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

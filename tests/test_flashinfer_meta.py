@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+
 from radixlm.kernels.flashinfer_meta import (
     PagedMeta,
     build_decode_meta,

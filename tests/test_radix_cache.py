@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode

@@ -9,7 +9,6 @@ import signal
 import time
 
 import pytest
-
 from helpers import hf_greedy, random_prompts
 
 import radixlm

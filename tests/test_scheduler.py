@@ -8,13 +8,12 @@ import functools
 
 import pytest
 import torch
-
 from helpers import SchedulerHarness, hf_greedy, hf_model, random_prompts
 
 N_REQS = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _workload(path: str) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """16 prompts in 4 groups sharing a 48-token prefix; mixed output lengths; HF references."""
     prompts = random_prompts(N_REQS, 1900, seed=1, shared=48, groups=4, lo=4, hi=40)

@@ -9,7 +9,6 @@ import re
 
 import jsonschema
 import pytest
-
 from helpers import SchedulerHarness, random_prompts
 
 REGEXES = {
@@ -114,7 +113,7 @@ def test_jump_forward_json_schema_fewer_passes(llama_path):
         "required": ["customer_full_name", "is_premium_subscriber"]})
     runs = _run_both(llama_path, random_prompts(4, 1900, seed=24), json_schema=schema, max_new_tokens=120)
     for jf in (True, False):
-        for text, ids, out in runs[jf].values():
+        for text, _, _ in runs[jf].values():
             json.loads(text)
     tokens_per_pass = {jf: sum(len(ids) for _, ids, _ in runs[jf].values()) /
                        sum(out.forward_passes for _, _, out in runs[jf].values()) for jf in (True, False)}

@@ -18,8 +18,8 @@ import torch
 
 from radixlm.runtime.managers.req import Req
 from radixlm.runtime.managers.schedule_policy import PrefillBudget, order_waiting
-from radixlm.runtime.mem_cache.miss_diagnosis import MissDiagnosis
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.runtime.mem_cache.miss_diagnosis import MissDiagnosis
 from radixlm.runtime.router.dp_router import ApproxTree
 from radixlm.runtime.server_args import ServerArgs
 

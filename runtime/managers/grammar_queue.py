@@ -7,7 +7,7 @@ that carries `status_code: 400` so the client gets a clear 400.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from radixlm.runtime.managers.req import Req
 from radixlm.runtime.server_args import ServerArgs

@@ -19,7 +19,6 @@ from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.managers.batch_planner import StepBatch
 from radixlm.runtime.managers.io_struct import ReqTokenOut
 from radixlm.runtime.managers.req import Req
-from radixlm.runtime.model_executor.model_runner import LogitsOutput
 
 STOP_STR_LOOKBACK_TOKENS = 8   # decode this many tokens beyond the longest stop string's length
 

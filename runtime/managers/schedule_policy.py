@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from radixlm.runtime.managers.req import Req
 
@@ -46,7 +46,6 @@ def order_dfs_weight(waiting: list[Req], tree) -> list[Req]:
     share a prefix run back to back while it is still cached."""
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
-    nodes = {}
     for r in sorted(waiting, key=lambda r: r.arrival_time):
         node = tree.match_prefix(r.all_ids[: r.max_prefix_for_match()]).last_node
         at_node[id(node)].append(r)

@@ -22,8 +22,15 @@ import torch
 from radixlm.runtime.managers.batch_planner import BatchPlanner, StepBatch
 from radixlm.runtime.managers.grammar_queue import GrammarQueue
 from radixlm.runtime.managers.io_struct import (
-    AbortReq, BatchTokenIDOut, FlushCacheOut, FlushCacheReq, GetInternalStateOut, GetInternalStateReq,
-    SchedulerStats, TokenizedGenerateReq)
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetInternalStateOut,
+    GetInternalStateReq,
+    SchedulerStats,
+    TokenizedGenerateReq,
+)
 from radixlm.runtime.managers.output_processor import OutputProcessor
 from radixlm.runtime.managers.req import Req
 from radixlm.runtime.model_executor.forward_batch import ForwardMode

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-
 import traceback
 
 import zmq

@@ -8,6 +8,7 @@ prefill still works: between chunks the request's own slots serve as its "prefix
 from __future__ import annotations
 
 import torch
+
 from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, CacheReq, MatchResult
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.mem_cache.radix_cache import TreeNode

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Iterator
 
 import torch
+
 from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, CacheReq, MatchResult
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 

@@ -12,7 +12,7 @@ output [num_tokens, num_heads, head_dim]. Heads here are this TP rank's heads.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -28,6 +28,7 @@ FlashInfer API facts used here (from its docs and source; no code copied):
 from __future__ import annotations
 
 import torch
+
 from radixlm.kernels.flashinfer_meta import (
     PagedMeta,
     build_decode_meta,
