@@ -80,6 +80,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_buf = fb.kv_cache.v_buffer[layer.layer_id]
         H, D = layer.num_heads, layer.head_dim
         for g in fb.attn_metadata:
+            if g.max_q == 1:
+                out[g.token_rows] = self._decode_group(q[g.token_rows], k_buf, v_buf, g, layer)
+                continue
             qg = q.new_zeros(g.bs * g.max_q, H, D)
             qg[g.q_slot] = q[g.token_rows]
             qg = qg.view(g.bs, g.max_q, H, D).transpose(1, 2)                 # [bs, H, max_q, D]
@@ -90,3 +93,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             o = o.transpose(1, 2).reshape(g.bs * g.max_q, H, D)
             out[g.token_rows] = o[g.q_slot]
         return out
+
+    @staticmethod
+    def _decode_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: _Group,
+                      layer: RadixAttention) -> torch.Tensor:
+        """One new token per request: two batched matmuls over the GQA groups (SDPA's masked CPU
+        path is several times slower for a single query row)."""
+        bs, H, D, KVH = g.bs, layer.num_heads, layer.head_dim, layer.num_kv_heads
+        qg = q.view(bs, KVH, H // KVH, D)                                       # [bs, KVH, G, D]
+        k = k_buf[g.kv_slots].to(q.dtype).permute(0, 2, 3, 1)                  # [bs, KVH, D, L]
+        v = v_buf[g.kv_slots].to(q.dtype).transpose(1, 2)                       # [bs, KVH, L, D]
+        scores = torch.matmul(qg, k).float() * layer.scaling                    # [bs, KVH, G, L]
+        scores.masked_fill_(~g.mask[:, :, 0, :].unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).reshape(bs, H, D)
