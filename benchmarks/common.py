@@ -405,20 +405,39 @@ def default_model_cache() -> Path:
     return Path(os.environ.get("RADIXLM_BENCH_MODELS", Path(tempfile.gettempdir()) / "radixlm-bench-models"))
 
 
-def build_word_tokenizer(vocab_size: int, out_dir: Path) -> None:
-    """A word-level tokenizer covering every model id (`<|...|>` specials, then `w3`, `w4`, ...).
+def _corpus(max_bytes: int = 1_500_000) -> list[str]:
+    """Deterministic training text: the standard library's .py files, in name order."""
+    import sysconfig
 
-    The benchmarks feed token ids directly; this only has to decode any id the model samples.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    texts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        texts.append(path.read_bytes().decode("utf-8", errors="ignore"))
+        total += len(texts[-1])
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def build_tokenizer(vocab_size: int, out_dir: Path, bpe_size: int = 4096) -> None:
+    """A byte-level BPE (trained on stdlib source, ChatML specials at ids 0-2) whose vocabulary is
+    padded with `<extra_N>` tokens to exactly `vocab_size`, so every id the model samples decodes
+    and real text tokenizes like text (distinct words get distinct ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, bpe_size), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(1_500_000 if vocab_size > bpe_size else 300_000), trainer=trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<extra_{i}>"] = i
+    tok = Tokenizer.from_str(json.dumps(data))
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     unk_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS)
+                                     additional_special_tokens=SPECIAL_TOKENS)
     hf_tok.chat_template = CHATML_TEMPLATE
     hf_tok.save_pretrained(str(out_dir))
 
@@ -437,7 +456,7 @@ def make_qwen2_model(size: str = "0.5b", vocab_size: int | None = None, seed: in
     if vocab_size:
         shape["vocab_size"] = vocab_size
     root = Path(cache_dir) if cache_dir else default_model_cache()
-    folder = root / f"qwen2-{size}-v{shape['vocab_size']}-s{seed}"
+    folder = root / f"qwen2-{size}-v{shape['vocab_size']}-s{seed}-bpe"
     if (folder / "DONE").exists():
         return str(folder)
     building = Path(f"{folder}.building-{os.getpid()}")
@@ -451,7 +470,7 @@ def make_qwen2_model(size: str = "0.5b", vocab_size: int | None = None, seed: in
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     model.save_pretrained(str(building))
-    build_word_tokenizer(shape["vocab_size"], building)
+    build_tokenizer(shape["vocab_size"], building)
     del model
     if folder.exists():
         import shutil

@@ -1,6 +1,6 @@
 """Trains the bundled demo model (`radixlm/demo_model/`) on CPU from a synthetic, checkable corpus.
 
-    python scripts/train_demo_model.py --out radixlm/demo_model --minutes 11 --seed 0
+    python scripts/train_demo_model.py --out radixlm/demo_model --minutes 12 --seed 0
 
 The corpus is generated here (fixed split seed), chat-formatted with ChatML, and covers four tasks:
 small-integer arithmetic (0-50, + and -), capital-of-X lookups from the table below, copying and
@@ -22,7 +22,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +58,7 @@ CAPITALS: dict[str, str] = {
 }
 NAMES = [
     "Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi", "Ivan", "Judy", "Mallory", "Oscar",
-    "Peggy", "Trent", "Victor", "Walter", "Ada", "Alan", "Linus", "Grace", "Maria", "John", "Emma", "Liam",
+    "Peggy", "Trent", "Victor", "Walter", "Ada", "Alan", "Linus", "Maria", "John", "Emma", "Liam",
     "Olivia", "Noah", "Ava", "Mia", "Lucas", "Sofia", "Mateo", "Chloe", "Omar", "Fatima", "Yuki", "Kenji",
     "Priya", "Ravi", "Lena", "Hugo", "Nina", "Paul", "Rosa", "Sam", "Tara", "Umar", "Vera", "Zoe", "Igor",
     "Anna", "Ben", "Clara", "Dan", "Elsa", "Felix", "Gina", "Hans", "Iris", "Jack", "Kira", "Leo", "Mona",
@@ -69,8 +69,10 @@ CAPITAL_TEMPLATES = ["What is the capital of {c}?", "What's the capital city of 
                      "Which city is the capital of {c}?", "Capital of {c}?"]
 COPY_TEMPLATES = ["Repeat the word: {w}", "Copy this word: {w}", "Say {w}"]
 REVERSE_TEMPLATES = ["Reverse the word: {w}", "Spell {w} backwards.", "Write {w} in reverse."]
-JSON_TEMPLATES = ["Give a JSON object with name {n} and age {a}", "Give a JSON object with name {n}, age {a} and city {c}",
-                  "Return JSON with name {n} and age {a}.", "Make a JSON object: name {n}, city {c}"]
+JSON_TEMPLATES = [("Give a JSON object with name {name} and age {age}", ("name", "age")),
+                  ("Give a JSON object with name {name}, age {age} and city {city}", ("name", "age", "city")),
+                  ("Return JSON with name {name} and age {age}.", ("name", "age")),
+                  ("Make a JSON object: name {name}, city {city}", ("name", "city"))]
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a tiny demo model. Answer briefly.",
                   "Answer the question with just the answer."]
 CHITCHAT = {
@@ -80,7 +82,6 @@ CHITCHAT = {
     "What can you do?": "I can add and subtract numbers up to 50, name capitals, copy or reverse words, "
                         "and write small JSON objects.",
 }
-TASKS = ("arithmetic", "capital", "copy", "reverse", "json")
 TASK_WEIGHTS = {"arithmetic": 0.45, "capital": 0.13, "copy": 0.1, "reverse": 0.15, "json": 0.15, "chitchat": 0.02}
 
 
@@ -120,7 +121,7 @@ def make_split() -> Split:
     heldout_combos = [(c, rng.randrange(len(CAPITAL_TEMPLATES))) for c in CAPITALS]
     words = random_words(rng, 3000)
     rng.shuffle(words)
-    names = sorted(set(NAMES))
+    names = list(NAMES)
     rng.shuffle(names)
     return Split(arith_train=pairs[cut:], arith_heldout=pairs[:cut],
                  capital_train=[x for x in combos if x not in heldout_combos], capital_heldout=heldout_combos,
@@ -129,13 +130,12 @@ def make_split() -> Split:
 
 
 # ----------------------------------------------------------------- question/answer generators
-def arith_qa(rng: random.Random, item: tuple[int, str, int], template: int = -1) -> tuple[str, str]:
+def arith_qa(rng: random.Random, item: tuple[int, str, int], template: int | None = None) -> tuple[str, str]:
     a, op, b = item
     templates = ARITH_TEMPLATES[op]
-    if template < 0:  # the main phrasing half the time: fewer layouts to learn
+    if template is None:  # the main phrasing half the time: fewer layouts to learn
         template = 0 if rng.random() < 0.5 else rng.randrange(len(templates))
-    text = templates[template]
-    return text.format(a=a, b=b), str(a + b if op == "+" else a - b)
+    return templates[template].format(a=a, b=b), str(a + b if op == "+" else a - b)
 
 
 def capital_qa(item: tuple[str, int]) -> tuple[str, str]:
@@ -148,13 +148,10 @@ def word_qa(rng: random.Random, word: str, reverse: bool) -> tuple[str, str]:
     return rng.choice(templates).format(w=word), word[::-1] if reverse else word
 
 
-def json_qa(rng: random.Random, name: str, template: int = -1) -> tuple[str, str]:
-    age, city = rng.randint(1, 99), rng.choice(list(CAPITALS.values()))
-    index = template if template >= 0 else rng.randrange(len(JSON_TEMPLATES))
-    fields = [("name", name), ("age", age), ("city", city)]
-    used = {0: 2, 1: 3, 2: 2, 3: 3}[index]
-    fields = fields[:used] if index != 3 else [fields[0], fields[2]]
-    return JSON_TEMPLATES[index].format(n=name, a=age, c=city), json.dumps(dict(fields))
+def json_qa(rng: random.Random, name: str, template: int | None = None) -> tuple[str, str]:
+    text, keys = JSON_TEMPLATES[rng.randrange(len(JSON_TEMPLATES)) if template is None else template]
+    values = {"name": name, "age": rng.randint(1, 99), "city": rng.choice(list(CAPITALS.values()))}
+    return text.format(**values), json.dumps({key: values[key] for key in keys})
 
 
 def train_qa(rng: random.Random, split: Split, task: str) -> tuple[str, str]:
@@ -165,8 +162,9 @@ def train_qa(rng: random.Random, split: Split, task: str) -> tuple[str, str]:
         return capital_qa(rng.choice(split.capital_train))
     if task in ("copy", "reverse"):
         return word_qa(rng, rng.choice(split.words_train), reverse=task == "reverse")
-    if task == "json":
-        return json_qa(rng, rng.choice(split.names_train))
+    if task == "json":  # made-up names too, so that the model learns to copy any name
+        name = rng.choice(split.names_train) if rng.random() < 0.5 else rng.choice(split.words_train).title()
+        return json_qa(rng, name)
     question = rng.choice(list(CHITCHAT))
     return question, CHITCHAT[question]
 
@@ -305,9 +303,13 @@ def batches(rng: random.Random, split: Split, tokenizer, rows: int, row_len: int
             yield make_batch(packed[i:i + rows], pad_id)
 
 
-def train(model, data: Iterator[dict[str, torch.Tensor]], args: argparse.Namespace,
-          progress_of: Callable[[int, float], float]) -> TrainResult:
-    """AdamW with warm-up + cosine; stops when `progress_of(step, elapsed)` reaches 1."""
+def progress_of(args: argparse.Namespace, step: int, elapsed: float) -> float:
+    """How far training is, 0 to 1: by steps with --steps, else by wall time against --minutes."""
+    return step / args.steps if args.steps is not None else elapsed / (60 * args.minutes)
+
+
+def train(model, data: Iterator[dict[str, torch.Tensor]], args: argparse.Namespace) -> TrainResult:
+    """AdamW (no decay on norms), warm-up + cosine LR, bf16 autocast, grad clip 1; stops at progress 1."""
     from tqdm import tqdm
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -316,8 +318,8 @@ def train(model, data: Iterator[dict[str, torch.Tensor]], args: argparse.Namespa
                                   lr=args.lr, betas=(0.9, 0.99), eps=1e-8)
     model.train()
     start, step, smooth = time.monotonic(), 0, float("nan")
-    bar = tqdm(total=1000, desc="training", unit="‰", dynamic_ncols=True)
-    while (progress := progress_of(step, time.monotonic() - start)) < 1.0:
+    bar = tqdm(total=1000, desc="training", unit="‰", dynamic_ncols=True, mininterval=0.5)
+    while (progress := progress_of(args, step, time.monotonic() - start)) < 1.0:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(progress, args.lr)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
@@ -409,7 +411,7 @@ def build_model(tokenizer, seed: int):
 
 
 def write_model_card(out: Path, model, result: TrainResult, evals: dict[str, dict[str, object]],
-                     command: str) -> None:
+                     args: argparse.Namespace, command: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     cfg = model.config
@@ -432,8 +434,9 @@ It knows only its synthetic training tasks; it is not a general assistant.
   the script's table, in {len(CAPITAL_TEMPLATES)} phrasings; copying and reversing made-up 3-6 letter words;
   small JSON objects (`{{"name": ..., "age": ...}}`, optionally `city`); a few greetings. Loss on answer tokens only.
 - **Training run:** {result.steps:,} steps of {result.tokens // max(1, result.steps):,} tokens (packed rows;
-  {result.tokens / 1e6:.1f}M tokens in all), AdamW, bf16 autocast, warm-up + cosine LR, {result.seconds / 60:.1f} minutes on
-  {platform.machine()} CPU with 2 threads; final training loss {result.final_loss:.4f}.
+  {result.tokens / 1e6:.1f}M tokens in all), AdamW (peak LR {args.lr:g}), {"bf16 autocast" if args.bf16 else "fp32"},
+  warm-up + cosine LR, seed {args.seed}: {result.seconds / 60:.1f} minutes on a shared {platform.machine()} CPU
+  with {args.threads} torch thread(s); final training loss {result.final_loss:.4f}.
 
 ## Held-out accuracy (greedy, exact match, measured with HF transformers after training)
 
@@ -461,7 +464,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="radixlm/demo_model", help="output model folder")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, default=11.0, help="training wall-time budget (default 11)")
+    budget.add_argument("--minutes", type=float, default=12.0, help="training wall-time budget (default 12)")
     budget.add_argument("--steps", type=int, default=None, help="train a fixed number of steps instead")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and the initial weights")
     parser.add_argument("--batch-size", type=int, default=12, help="packed rows per step")
@@ -485,11 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(tokenizer, args.seed)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params:,} parameters; vocab {len(tokenizer)}", flush=True)
-    if args.steps is not None:
-        progress_of = lambda step, _elapsed: step / args.steps  # noqa: E731
-    else:
-        progress_of = lambda _step, elapsed: elapsed / (60 * args.minutes)  # noqa: E731
-    result = train(model, batches(rng, split, tokenizer, args.batch_size, args.row_len), args, progress_of)
+    result = train(model, batches(rng, split, tokenizer, args.batch_size, args.row_len), args)
     print(f"trained {result.steps} steps in {result.seconds:.0f} s, loss {result.final_loss:.4f}", flush=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -497,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     for task, r in evals.items():
         print(f"{task}: {r['correct']}/{r['total']} = {100 * r['accuracy']:.1f}%  wrong e.g. {r['wrong_examples']}")
     command = "python scripts/train_demo_model.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_model_card(out, model, result, evals, command)
+    write_model_card(out, model, result, evals, args, command)
 
 
 if __name__ == "__main__":

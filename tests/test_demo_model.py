@@ -5,8 +5,8 @@ prompts the model never saw in training. The model is trained by that script, ne
 
 - the fast test drives our real scheduler in-process (`SchedulerHarness`) on 50 held-out arithmetic
   prompts and requires >= 90% exact answers;
-- the slow tests start the real server with no `--model-path` (so it serves the bundled model) and ask
-  the same prompts through the OpenAI chat API, then run DSL few-shot programs against it.
+- the server tests start the real server with no `--model-path` (so it serves the bundled model; about
+  10 s on 2 cores), ask the same prompts through the OpenAI chat API, and run DSL programs against it.
 """
 
 from __future__ import annotations
@@ -117,13 +117,11 @@ def default_server():
     server.stop()
 
 
-@pytest.mark.slow
 def test_server_serves_bundled_model_by_default(default_server: ServerProcess) -> None:
     info = default_server.get_json("/get_model_info")
     assert Path(info["model_path"]).resolve() == DEMO_DIR.resolve(), info
 
 
-@pytest.mark.slow
 def test_heldout_arithmetic_through_openai_chat(default_server: ServerProcess, heldout) -> None:
     from openai import OpenAI
 
@@ -143,7 +141,6 @@ def test_heldout_arithmetic_through_openai_chat(default_server: ServerProcess, h
     assert score >= MIN_ACCURACY, f"accuracy {score:.2f}; misses: {misses(items, got)}"
 
 
-@pytest.mark.slow
 def test_dsl_few_shot_programs(default_server: ServerProcess, heldout) -> None:
     """A plain-text few-shot program and a chat program, run as batches against the server."""
     import radixlm as sgl
