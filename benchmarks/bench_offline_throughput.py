@@ -171,9 +171,11 @@ def run_hf(args: argparse.Namespace, model_path: str, work: list[tuple[list[int]
     bs = args.hf_batch_size
     _hf_batch(model, [([5, 6, 7, 8], 4)])      # warm-up
     t0 = time.perf_counter()
-    computed = 0
+    computed, batch_walls = 0, []
     for i in tqdm(range(0, len(work), bs), desc="HF generate", unit="batch"):
+        tb = time.perf_counter()
         computed += _hf_batch(model, work[i:i + bs])
+        batch_walls.append(round(time.perf_counter() - tb, 2))
     wall = time.perf_counter() - t0
     sampler.stop_event.set()
     sampler.join()
@@ -181,7 +183,7 @@ def run_hf(args: argparse.Namespace, model_path: str, work: list[tuple[list[int]
     useful = sum(n for _, n in work)
     return {"wall_s": wall, "output_tokens": useful, "output_tok_s": useful / wall,
             "total_tok_s": (useful + sum(len(p) for p, _ in work)) / wall,
-            "generated_tokens_incl_padding": computed, "batch_size": bs,
+            "generated_tokens_incl_padding": computed, "batch_size": bs, "batch_walls_s": batch_walls,
             "rss_before_mib": rss_before / 2**20, "rss_loaded_mib": rss_loaded / 2**20,
             "rss_peak_mib": sampler.peak / 2**20, "rss_at_end_mib": rss_end, "rss_growth_peak_mib": (sampler.peak - rss_before) / 2**20}
 
@@ -255,9 +257,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "output_range": [args.min_output, args.max_output]}}
     with common.LoadMonitor() as load_engine:
         results["engine"] = None if args.skip_engine else run_engine(args, model_path, work)
+    results["load_engine"] = load_engine.summary()
+    if not args.skip_hf:        # save the engine half first: the HF half can take much longer
+        common.write_results(NAME, args.output_dir, {**results, "partial": "HF generate still running"},
+                             table_of(results), results["load_engine"])
     with common.LoadMonitor() as load_hf:
         results["hf"] = None if args.skip_hf else run_hf(args, model_path, work)
-    results["load_engine"], results["load_hf"] = load_engine.summary(), load_hf.summary()
+    results["load_hf"] = load_hf.summary()
     if results["engine"] and results["hf"]:
         results["speedup"] = results["engine"]["output_tok_s"] / results["hf"]["output_tok_s"]
     load = combined_load(results["load_engine"], results["load_hf"])

@@ -224,6 +224,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="unique+shared pass pairs (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout s (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--result-name", default=NAME, help="file name stem of the results (default: %(default)s)")
     common.add_output_dir_arg(p)
     args = p.parse_args(argv)
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if server:
             server.stop()
     results["server_command"] = shlex.join(server.command) if server else None
-    common.write_results(NAME, args.output_dir, results, table_of(results), load.summary())
+    common.write_results(args.result_name, args.output_dir, results, table_of(results), load.summary())
     return results
 
 

@@ -46,6 +46,7 @@ from tqdm import tqdm  # noqa: E402
 
 BACKENDS = ("radixlm", "radixlm-openai", "openai")
 DATASETS = ("random", "generated-shared-prefix", "multi-turn")
+TURN_OVERHEAD = 16          # chat-template tokens around one more message (an estimate)
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "du", "ga", "ho", "ji", "zu", "fa", "we")
 
 
@@ -206,11 +207,12 @@ class Client:
 
 # ----------------------------------------------------------------- one run
 async def run_once(args: argparse.Namespace, client: Client, dataset: list[BenchRequest],
-                   concurrency: int | None) -> tuple[list[RequestResult], float]:
+                   concurrency: int | None) -> tuple[list[RequestResult], float, int]:
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     total = sum(1 + len(r.turns) for r in dataset)
     bar = tqdm(total=total, desc=f"requests (concurrency {concurrency or 'inf'})", unit="req", disable=args.quiet)
     results: list[RequestResult] = []
+    skipped: list[int] = []           # multi-turn: turns left out because the history outgrew the context
     rng = random.Random(args.seed + 1)
 
     async def one(messages: list[dict[str, str]], output_len: int, raw: bool = False) -> RequestResult:
@@ -223,8 +225,12 @@ async def run_once(args: argparse.Namespace, client: Client, dataset: list[Bench
     async def conversation(req: BenchRequest) -> None:
         messages = list(req.messages)
         res = await one(messages, req.output_len, req.raw)
-        for user_text, output_len in req.turns:
-            if not res.ok:
+        for k, (user_text, output_len) in enumerate(req.turns):
+            # the next turn resends the history; stop the conversation once it would not fit
+            grown = res.prompt_tokens + res.output_tokens + client.maker.count(user_text) + TURN_OVERHEAD
+            if not res.ok or (args.context_len and grown + output_len > args.context_len):
+                skipped.append(len(req.turns) - k)
+                bar.update(len(req.turns) - k)
                 return
             messages = [*messages, {"role": "assistant", "content": res.text}, {"role": "user", "content": user_text}]
             res = await one(messages, output_len)
@@ -237,7 +243,7 @@ async def run_once(args: argparse.Namespace, client: Client, dataset: list[Bench
             await asyncio.sleep(rng.expovariate(args.request_rate))
     await asyncio.gather(*tasks)
     bar.close()
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, sum(skipped)
 
 
 def summarize_run(results: list[RequestResult], duration: float, concurrency: int | None,
@@ -311,21 +317,24 @@ def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | No
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-async def discover(args: argparse.Namespace, http: httpx.AsyncClient) -> tuple[str, Any]:
-    """The model name for OpenAI requests and a tokenizer (from --tokenizer or the server's path)."""
-    model = args.model
-    if not model and args.backend != "radixlm":
-        data = (await http.get("/v1/models", headers=args.headers)).json()
-        model = data["data"][0]["id"]
-    tok_path = args.tokenizer
-    if not tok_path and args.backend != "openai":
+async def discover(args: argparse.Namespace, http: httpx.AsyncClient) -> tuple[str, Any, int | None]:
+    """The model name for OpenAI requests, a tokenizer (from --tokenizer or the server's path) and
+    the context length (--max-context, else what the server reports)."""
+    model, tok_path, context = args.model, args.tokenizer, args.max_context
+    if args.backend != "radixlm":
+        card = (await http.get("/v1/models", headers=args.headers)).json()["data"][0]
+        model = model or card["id"]
+        context = context or card.get("max_model_len")
+    if args.backend != "openai":
         info = (await http.get("/get_model_info", headers=args.headers)).json()
-        tok_path = info.get("tokenizer_path") or info.get("model_path")
+        tok_path = tok_path or info.get("tokenizer_path") or info.get("model_path")
+        context = context or info.get("max_model_len")
+    tokenizer = None
     if tok_path and os.path.isdir(tok_path) or args.tokenizer:
         from transformers import AutoTokenizer
 
-        return model or "default", AutoTokenizer.from_pretrained(tok_path)
-    return model or "default", None
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    return model or "default", tokenizer, context
 
 
 # ----------------------------------------------------------------- main
@@ -333,7 +342,7 @@ async def bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as http:
-        model, tokenizer = await discover(args, http)
+        model, tokenizer, args.context_len = await discover(args, http)
         maker = PromptMaker(tokenizer, args.seed)
         client = Client(args, http, maker, model)
         for _ in range(args.warmup_requests):
@@ -344,9 +353,10 @@ async def bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
                 await http.post("/flush_cache", headers=args.headers)
             dataset = make_dataset(args, PromptMaker(tokenizer, args.seed))
             before = await cache_counters(http)
-            results, duration = await run_once(args, client, dataset, concurrency)
+            results, duration, skipped = await run_once(args, client, dataset, concurrency)
             after = await settled_counters(http)
-            runs.append(summarize_run(results, duration, concurrency, args.request_rate, hit_rate(before, after)))
+            run = summarize_run(results, duration, concurrency, args.request_rate, hit_rate(before, after))
+            runs.append({**run, "turns_skipped_context": skipped})
     return {"base_url": base_url, "model": model, "tokenizer": getattr(tokenizer, "name_or_path", None),
             "runs": runs}
 
@@ -362,7 +372,11 @@ def table_of(runs: list[dict[str, Any]]) -> str:
              r["request_throughput"], r["output_throughput"], three(r["ttft_ms"]), three(r["tpot_ms"]),
              three(r["itl_ms"]), f"{r['cache_hit_rate']:.1%}" if r["cache_hit_rate"] is not None else "-"]
             for r in runs]
-    return common.markdown_table(headers, rows)
+    text = common.markdown_table(headers, rows)
+    skipped = [r.get("turns_skipped_context", 0) for r in runs]
+    if any(skipped):
+        text += f"\n\nMulti-turn: {'/'.join(map(str, skipped))} later turns left out (history outgrew the context)."
+    return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -377,6 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--model", help="model name for OpenAI requests (default: the first of /v1/models)")
     g.add_argument("--tokenizer", help="tokenizer folder for making prompts (default: the server's, if local)")
     g.add_argument("--api-key", help="sent as Authorization: Bearer")
+    g.add_argument("--max-context", type=int,
+                   help="multi-turn: end a conversation before it outgrows this (default: the server's context)")
     g.add_argument("--openai-endpoint", choices=("completions", "chat"),
                    help="OpenAI route (default: chat for multi-turn, else completions)")
     g = p.add_argument_group("workload")

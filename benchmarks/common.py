@@ -145,14 +145,6 @@ def rss_breakdown(pid: int) -> dict[str, float]:
     return out
 
 
-def process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 @dataclass
 class LoadMonitor:
     """Samples whole-machine and own-process-tree CPU use in a background thread.
@@ -228,14 +220,6 @@ class LoadMonitor:
             "max_busy_fraction_sampled": round(max(self._busy_fracs), 3) if self._busy_fracs else None,
             "loadavg_1m_at_end": os.getloadavg()[0],
         }
-
-
-def idle_load(seconds: float = 1.0) -> float:
-    """Busy fraction of all cores over `seconds`, measured before a run starts."""
-    a = read_cpu_times()
-    time.sleep(seconds)
-    b = read_cpu_times()
-    return round((b[0] - a[0]) / max(b[1] - a[1], 1), 3)
 
 
 # ----------------------------------------------------------------- statistics

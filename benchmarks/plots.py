@@ -4,7 +4,7 @@
     python benchmarks/plots.py --results-dir DIR --output-dir DIR
 
 Makes whichever of these it has results for:
-  ttft_shared_vs_unique.png     bench_prefix_cache.json: TTFT distribution (CDF) of both passes
+  ttft_shared_vs_unique*.png    bench_prefix_cache*.json: TTFT distribution (CDF) of both passes
   throughput_vs_concurrency.png bench_serving_*.json with several --max-concurrency runs
   throughput_vs_hf.png          bench_offline_throughput.json: Engine vs HF generate
   one_batch_decode.png          bench_one_batch.json: decode tok/s by batch size, with the roofline
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import matplotlib  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -96,6 +97,7 @@ def plot_vs_hf(doc: dict[str, Any], out: Path) -> Path:
             values.append(doc[key]["output_tok_s"])
     bars = ax.bar(names, values, color=["tab:blue", "tab:gray"][:len(values)])
     ax.bar_label(bars, fmt="%.1f tok/s")
+    ax.set_ylim(0, max(values, default=1) * 1.15)
     ax.set_ylabel("output tokens/s")
     w = doc["workload"]
     title = f"{w['num_requests']} requests, {doc['num_params'] / 1e6:.0f}M-param model"
@@ -110,10 +112,13 @@ def plot_one_batch(doc: dict[str, Any], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = doc["rows"]
     ax.plot([r["batch_size"] for r in rows], [r["decode_tok_s"] for r in rows], marker="o", label="decode (median step)")
-    ax.axhline(doc["roofline_batch1_tok_s"], color="tab:red", ls="--", label="batch-1 bandwidth roofline")
+    xs = [r["batch_size"] for r in rows]
+    ax.plot(xs, [b * doc["roofline_batch1_tok_s"] for b in xs], color="tab:red", ls="--",
+            label="bandwidth bound: weights read once per step")
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s")
     ax.grid(alpha=0.3)
@@ -128,8 +133,10 @@ def make_plots(results_dir: str | Path, output_dir: str | Path | None = None) ->
     out = Path(output_dir) if output_dir else src
     out.mkdir(parents=True, exist_ok=True)
     made = []
-    if doc := _load(src / "bench_prefix_cache.json"):
-        made.append(plot_ttft(doc, out / "ttft_shared_vs_unique.png"))
+    for path in sorted(src.glob("bench_prefix_cache*.json")):
+        if doc := _load(path):
+            suffix = path.stem.removeprefix("bench_prefix_cache")
+            made.append(plot_ttft(doc, out / f"ttft_shared_vs_unique{suffix}.png"))
     serving = [d for p in sorted(src.glob("bench_serving_*.json")) if (d := _load(p))
                and len([r for r in d.get("runs", []) if r["max_concurrency"]]) > 1]
     if serving:
