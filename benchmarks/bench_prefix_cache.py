@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -233,19 +232,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    server = None
-    if args.launch:
-        extra = (["--model-path", args.model_path] if args.model_path else []) + shlex.split(args.server_args)
-        server = common.LaunchedServer(extra)
-    base_url = server.base_url if server else args.base_url.rstrip("/")
-    try:
-        with common.LoadMonitor() as load:
-            results = asyncio.run(bench(args, base_url))
-    finally:
-        if server:
-            server.stop()
-    results["server_command"] = shlex.join(server.command) if server else None
-    common.write_results(args.result_name, args.output_dir, results, table_of(results), load.summary())
+    results, load_summary = common.run_against_server(args, bench)
+    common.write_results(args.result_name, args.output_dir, results, table_of(results), load_summary)
     return results
 
 

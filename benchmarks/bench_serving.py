@@ -30,7 +30,6 @@ import asyncio
 import os
 import random
 import re
-import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -435,21 +434,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    server = None
-    if args.launch:
-        extra = (["--model-path", args.model_path] if args.model_path else []) + shlex.split(args.server_args)
-        server = common.LaunchedServer(extra)
-    base_url = server.base_url if server else args.base_url.rstrip("/")
-    try:
-        with common.LoadMonitor() as load:
-            results = asyncio.run(bench(args, base_url))
-    finally:
-        if server:
-            server.stop()
-    results["server_command"] = shlex.join(server.command) if server else None
+    results, load_summary = common.run_against_server(args, bench)
     results["workload"] = {k: v for k, v in vars(args).items() if k not in ("headers", "api_key")}
     name = args.result_name or f"bench_serving_{args.dataset}"
-    common.write_results(name, args.output_dir, results, table_of(results["runs"]), load.summary())
+    common.write_results(name, args.output_dir, results, table_of(results["runs"]), load_summary)
     return results
 
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -480,3 +480,24 @@ def count_params(model_path: str) -> int:
 def add_output_dir_arg(parser: Any) -> None:
     parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR),
                         help="folder for the JSON and Markdown results (default: %(default)s)")
+
+
+def run_against_server(args: Any, bench: Callable[[Any, str], Awaitable[dict[str, Any]]]
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs `bench(args, base_url)` against `--base-url`, or against a server started for the run
+    with `--launch` (`--model-path`, `--server-args`). Returns (results, load summary)."""
+    import asyncio
+
+    server = None
+    if args.launch:
+        extra = (["--model-path", args.model_path] if args.model_path else []) + shlex.split(args.server_args)
+        server = LaunchedServer(extra)
+    base_url = server.base_url if server else args.base_url.rstrip("/")
+    try:
+        with LoadMonitor() as load:
+            results = asyncio.run(bench(args, base_url))
+    finally:
+        if server:
+            server.stop()
+    results["server_command"] = shlex.join(server.command) if server else None
+    return results, load.summary()

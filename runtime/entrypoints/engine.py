@@ -208,11 +208,10 @@ class Engine:
                  stream: bool = False, rid: str | list[str] | None = None) -> Any:
         """Single prompt -> dict; batch (a list), or n > 1 -> list of dicts. With `stream=True`
         returns an iterator of cumulative chunks (a batch's chunks carry "index")."""
-        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-                               return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                               top_logprobs_num=top_logprobs_num, stream=stream,
-                               return_text_in_logprobs=return_text_in_logprobs)
-        agen = self.tokenizer_manager.generate(obj)
+        agen = self.tokenizer_manager.generate(GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            stream=stream, return_text_in_logprobs=return_text_in_logprobs))
         if stream:
             return self._core.iterate(agen)
         return self._core.call(_only_item(agen))
@@ -227,11 +226,10 @@ class Engine:
                              rid: str | list[str] | None = None) -> Any:
         """Like `generate`, awaited from any event loop; with `stream=True` it returns an async
         iterator (`async for chunk in await engine.async_generate(..., stream=True)`)."""
-        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-                               return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                               top_logprobs_num=top_logprobs_num, stream=stream,
-                               return_text_in_logprobs=return_text_in_logprobs)
-        agen = self.tokenizer_manager.generate(obj)
+        agen = self.tokenizer_manager.generate(GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            stream=stream, return_text_in_logprobs=return_text_in_logprobs))
         if stream:
             return self._core.aiterate(agen)
         return await self._core.acall(_only_item(agen))

@@ -47,7 +47,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
 
 
 def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
-    was_busy = False
     while True:
         busy = scheduler.has_work()
         msgs = recv_messages(scheduler, puller, block=not busy and scheduler.args.tp_size == 1)
@@ -55,11 +54,9 @@ def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
             scheduler.handle(msg)
         if scheduler.has_work():
             scheduler.step()
-            was_busy = True
-        elif was_busy:                      # just went idle: final stats and a leak check
-            was_busy = False
-            scheduler.send(scheduler.stats())
-            scheduler.check_idle_invariants()
+            if not scheduler.has_work():    # just went idle: final stats now, and a leak check
+                scheduler.send(scheduler.stats())
+                scheduler.check_idle_invariants()
 
 
 def recv_messages(scheduler: Scheduler, puller: Puller | None, block: bool) -> list:
