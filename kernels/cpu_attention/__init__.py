@@ -7,6 +7,9 @@ disabled or cannot be built; callers then use the torch code. The module has:
     extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens, qo_indptr, scale)
     decode_num_splits(bs, kv_heads, max_seq_len), isa()
 
+The same two ops are registered as `torch.ops.radixlm.cpu_paged_decode` / `cpu_paged_extend`
+(custom ops that mutate `out`) so a torch.compile'd forward keeps them in one graph.
+
 Both attention ops read K/V in place through `req_to_token[req_pool_indices[b], :seq_lens[b]]`
 and write `out` (q's shape and dtype); see paged_attention.cpp for the exact contract.
 
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -105,4 +109,30 @@ def load_cpu_attention(isa: str | None = None):
         return None
     if fresh:
         logger.info("CPU attention kernels (%s) built in %.1f s", isa, time.perf_counter() - t0)
+    _register_custom_ops(mod)
     return mod
+
+
+_registered: list = []   # the module behind torch.ops.radixlm.cpu_paged_* (first one loaded)
+
+
+def _register_custom_ops(mod) -> None:
+    """Registers the torch.compile-visible ops once per process (they call the first module loaded)."""
+    if _registered:
+        return
+    _registered.append(mod)
+
+    @torch.library.custom_op("radixlm::cpu_paged_decode", mutates_args=("out",), device_types="cpu")
+    def cpu_paged_decode(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
+                         req_pool_indices: Tensor, seq_lens: Tensor, scale: float, num_splits: int) -> None:
+        _registered[0].decode(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, num_splits)
+
+    @torch.library.custom_op("radixlm::cpu_paged_extend", mutates_args=("out",), device_types="cpu")
+    def cpu_paged_extend(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
+                         req_pool_indices: Tensor, prefix_lens: Tensor, seq_lens: Tensor, qo_indptr: Tensor,
+                         scale: float) -> None:
+        _registered[0].extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens,
+                              qo_indptr, scale)
+
+    cpu_paged_decode.register_fake(lambda *args: None)
+    cpu_paged_extend.register_fake(lambda *args: None)

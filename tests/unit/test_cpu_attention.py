@@ -186,3 +186,15 @@ def test_avx2_build_matches_reference():
             fb, q = make_batch(lens, 16, 8, 2, 64, dtype, seed=9, mode=mode)
             layer = RadixAttention(0, 8, 2, 64, 0.125)
             check(fb, q, layer, run(fb, q, layer, backend))
+
+
+def test_compiled_forward_keeps_kernel_in_graph():
+    """torch.compile(fullgraph=True) over the layer call: the custom ops trace without a break."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    fb, q = make_batch([(4, 5), (30, 31)], 16, heads, kv_heads, head_dim, torch.bfloat16, seed=4, mode=ForwardMode.DECODE)
+    layer = RadixAttention(0, heads, kv_heads, head_dim, 0.125)
+    backend = kernel_backend()
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    compiled = torch.compile(lambda x: backend.forward_decode(x, layer, fb), fullgraph=True, dynamic=False)
+    check(fb, q, layer, compiled(q))

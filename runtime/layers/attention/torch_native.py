@@ -133,12 +133,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         """In-place paged attention (C++). Reads K/V through req_to_token; writes a new output."""
         out = torch.empty(q.shape, dtype=q.dtype)
         table = fb.req_to_token_pool.req_to_token
+        # under torch.compile the registered custom ops keep the graph whole; eager calls skip the dispatcher
+        ops = torch.ops.radixlm if torch.compiler.is_compiling() else None
         if meta.all_decode:
-            self.kernels.decode(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens,
-                                layer.scaling, 0)
+            fn = ops.cpu_paged_decode if ops else self.kernels.decode
+            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0)
         else:
-            self.kernels.extend(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens,
-                                meta.seq_lens, meta.qo_indptr, layer.scaling)
+            fn = ops.cpu_paged_extend if ops else self.kernels.extend
+            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens, meta.seq_lens,
+               meta.qo_indptr, layer.scaling)
         return out
 
     def _attend_torch(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
