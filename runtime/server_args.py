@@ -14,6 +14,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.parsers.reasoning import REASONING_PARSERS
+from radixlm.runtime.parsers.tool_call import TOOL_CALL_PARSERS
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -35,6 +38,10 @@ class ServerArgs:
     tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
     served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
     chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")
+    tool_call_parser: str | None = _f(None, "Parse tool calls in chat output in this format.",
+                                      tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _f(None, "Split chat output into reasoning_content and content.",
+                                      tuple(REASONING_PARSERS))
     dtype: str = _f("auto", "Weight and activation dtype.", ("auto", "bfloat16", "float16", "float32"))
     device: str = _f("auto", "Device to run on (auto picks cuda when available).", ("auto", "cpu", "cuda"))
     context_length: int | None = _f(None, "Max tokens per request (prompt + output). Default: the model's.")
