@@ -145,7 +145,7 @@ class OpenAIServing:
         max_new = _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
         max_new = max_new if max_new is not None else _check_max_tokens(req.max_tokens, "max_tokens")
         params = _sampling_params(req, max_new if max_new is not None else self._room(len(input_ids)), n)
-        constrain_after_reasoning(params, self.reasoning)
+        constrain_after_reasoning(params, req, self.reasoning)
         if tools.constraint is not None:
             params["regex"] = tools.constraint
         parser = output_parser(tools, self.tool_parser, self.reasoning, req.separate_reasoning is not False)
@@ -158,6 +158,8 @@ class OpenAIServing:
                 self.history.record(prompt.text, input_ids, list(item.get("output_ids") or []))
 
         if req.stream:
+            if req.return_token_ids:
+                raise APIError(400, "return_token_ids is not supported with stream", param="return_token_ids")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = await _start(self.tm.generate(obj, raw))
             return SSEResponse(chat_stream(stream, meta, bool(req.logprobs), include_usage, parser, remember))
@@ -165,9 +167,13 @@ class OpenAIServing:
         for it in items:
             remember(it)
         choices = [chat_choice(it, _index(it, k), bool(req.logprobs), parser) for k, it in enumerate(items)]
-        return _json({"id": meta.id, "object": "chat.completion", "created": meta.created,
-                      "model": self.model_name, "choices": choices, "usage": usage_of(items, n),
-                      "system_fingerprint": None})
+        body = {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": self.model_name,
+                "choices": choices, "usage": usage_of(items, n), "system_fingerprint": None}
+        if req.return_token_ids:   # vLLM's field: the exact ids the model saw and wrote
+            body["prompt_token_ids"] = input_ids
+            for choice, it in zip(choices, items):
+                choice["token_ids"] = list(it.get("output_ids") or [])
+        return _json(body)
 
     def _chat_input(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ChatRequestInput:
         """The template's inputs; ValueError (400) for messages or fields it cannot take."""

@@ -106,6 +106,7 @@ class ChatCompletionRequest(_SamplingExtras):
     continue_final_message: StrictBool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: StrictBool | None = True
+    return_token_ids: StrictBool | None = False
 
 
 class GenerateRequest(BaseModel):

@@ -11,9 +11,9 @@ output parser looks for, and the grammar constraint that enforces a call.
 Enforcement uses the ordinary `regex` sampling parameter: the parser's call format with the
 arguments' JSON-schema regex inside. Arguments are generated in the spacing `json.dumps` (and the
 templates' `tojson`) writes, `{"a": 1, "b": [2, 3]}`, so a call rendered back into the next turn's
-prompt repeats the generated text byte for byte. With a reasoning parser every constraint (also
-`response_format`, `regex`, `json_schema`) is prefixed by the reasoning block, so it applies only
-after the reasoning ends. Errors are APIError 400s that name the field.
+prompt repeats the generated text byte for byte. With a reasoning parser, tool_choice and
+`response_format` constraints are prefixed by the reasoning block, so they apply only after the
+reasoning ends (the low-level `regex` / `json_schema` extras constrain the whole output). Errors are APIError 400s that name the field.
 """
 
 from __future__ import annotations
@@ -133,22 +133,21 @@ def with_reasoning(regex: str, reasoning: ReasoningParser | None) -> str:
     return regex if reasoning is None else reasoning.prefix_regex() + f"(?:{regex})"
 
 
-def constrain_after_reasoning(params: dict[str, Any], reasoning: ReasoningParser | None) -> None:
-    """With a reasoning parser, turn a json_schema / regex constraint into one that starts after the
-    reasoning block (mutates params; a bad schema stays for the grammar backend to report)."""
-    if reasoning is None:
+def constrain_after_reasoning(params: dict[str, Any], req: Any, reasoning: ReasoningParser | None) -> None:
+    """With a reasoning parser, a `response_format` constraint becomes a regex that starts after the
+    reasoning block (mutates params). The low-level `regex` / `json_schema` extras stay as given: they
+    constrain the whole output."""
+    fmt = req.response_format
+    if reasoning is None or fmt is None or fmt.type == "text":
         return
-    if "json_schema" in params:
-        spec = params["json_schema"]
-        spec = spec if isinstance(spec, str) else json.dumps(spec)
-        try:
-            inner = schema_to_regex(spec, DEFAULT_JSON_WHITESPACE_PATTERN)
-        except GrammarError as e:
-            raise APIError(400, str(e), param="response_format") from None
-        del params["json_schema"]
-        params["regex"] = with_reasoning(inner, reasoning)
-    elif "regex" in params:
-        params["regex"] = with_reasoning(params["regex"], reasoning)
+    if req.regex is not None or req.json_schema is not None or req.ebnf is not None:
+        raise APIError(400, "response_format cannot be combined with regex, json_schema or ebnf",
+                       param="response_format")
+    try:
+        inner = schema_to_regex(params.pop("json_schema"), DEFAULT_JSON_WHITESPACE_PATTERN)
+    except GrammarError as e:
+        raise APIError(400, str(e), param="response_format") from None
+    params["regex"] = with_reasoning(inner, reasoning)
 
 
 def output_parser(setup: ToolSetup, tool_parser: ToolCallParser | None, reasoning: ReasoningParser | None,
