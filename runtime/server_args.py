@@ -40,10 +40,6 @@ class ServerArgs:
     tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
     served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
     chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")
-    tool_call_parser: str | None = _f(None, "Parse tool calls in chat output in this format.",
-                                      tuple(TOOL_CALL_PARSERS))
-    reasoning_parser: str | None = _f(None, "Split chat output into reasoning_content and content.",
-                                      tuple(REASONING_PARSERS))
     dtype: str = _f("auto", "Weight and activation dtype.", ("auto", "bfloat16", "float16", "float32"))
     device: str = _f("auto", "Device to run on (auto picks cuda when available).", ("auto", "cpu", "cuda"))
     context_length: int | None = _f(None, "Max tokens per request (prompt + output). Default: the model's.")
@@ -76,8 +72,10 @@ class ServerArgs:
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
                              KV_CACHE_DTYPES)
     enable_cache_report: bool = _f(False, "Accepted for SGLang compatibility: cached tokens are always reported.")
-    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).")
-    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).")
+    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).",
+                                      tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).",
+                                      tuple(REASONING_PARSERS))
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
