@@ -89,6 +89,7 @@ class ServerArgs:
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
     log_level: str = _f("info", "Log level.", ("debug", "info", "warning", "error"))
     log_requests: bool = _f(False, "Log every request's inputs and outputs (debug aid).")
+    decode_log_interval: int = _f(40, "Log a decode batch line every this many decode steps (0: never).")
     enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
     random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
     watchdog_interval: float = _f(0.5, "Seconds between child-process liveness checks.")
