@@ -14,6 +14,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.parsers.reasoning import REASONING_PARSERS
+from radixlm.runtime.parsers.tool_call import TOOL_CALL_PARSERS
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -69,8 +72,10 @@ class ServerArgs:
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
                              KV_CACHE_DTYPES)
     enable_cache_report: bool = _f(False, "Accepted for SGLang compatibility: cached tokens are always reported.")
-    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).")
-    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).")
+    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).",
+                                      tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).",
+                                      tuple(REASONING_PARSERS))
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
