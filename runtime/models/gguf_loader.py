@@ -115,6 +115,13 @@ def _write_hf_files(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
 
 
+def gguf_num_params(gguf_file: str | Path) -> int:
+    """Parameters stored in the file (a tied lm head counted once, as it is stored once)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(str(gguf_file)).tensors)
+
+
 def hf_tensor_name(gguf_name: str) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for unknown names."""
     base, _, suffix = gguf_name.rpartition(".")

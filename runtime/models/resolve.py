@@ -60,6 +60,13 @@ def resolve_model_source(model_path: str, load_format: str = "auto") -> ModelSou
     return ModelSource(str(gguf_file), str(materialize_gguf(gguf_file)))
 
 
+def hf_pretrained_args(model_path: str) -> tuple[str, dict]:
+    """(path, kwargs) for transformers' `from_pretrained`: a .gguf file becomes its folder + gguf_file=."""
+    if is_gguf_file(model_path):
+        return str(Path(model_path).parent), {"gguf_file": Path(model_path).name}
+    return model_path, {}
+
+
 def find_gguf_file(model_path: str, load_format: str) -> Path | None:
     """The .gguf to load, or None for a safetensors model. A folder needs exactly one .gguf in it."""
     path = Path(model_path).expanduser()

@@ -114,3 +114,14 @@ def test_smollm2_logits_match_hf_on_1000_real_tokens() -> None:
     theirs = hf_model(torch.tensor([ids])).logits[0].float()
     diff = (ours - theirs).abs().max().item()
     assert diff <= 1e-3, f"max abs logit diff {diff}"
+
+
+def test_short_name_resolves_to_the_wheel_file() -> None:
+    from radixlm.runtime.server_args import ServerArgs
+
+    path = smollm2_gguf()
+    args = ServerArgs(model_path="smollm2-135m-instruct").resolved()
+    assert args.model_path == str(Path(path).resolve()) and args.served_model_name == "smollm2-135m-instruct"
+    folder = Path(args.tokenizer_path)
+    assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in folder.iterdir()}
+    assert "<|im_start|>" in (folder / "chat_template.jinja").read_text()
