@@ -47,16 +47,16 @@ def smollm2_gguf() -> str:
 
 @functools.cache
 def hf_reference() -> tuple:
-    """(HF model in fp32, HF tokenizer), both read from the GGUF file by transformers."""
-    import os
-
+    """(HF model in fp32, HF tokenizer), both read from the GGUF file by transformers (the model
+    dequantized to a dense one, as our loader does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_gguf()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from radixlm.runtime.models.resolve import hf_pretrained_args
+
+    folder, kwargs = hf_pretrained_args(smollm2_gguf())
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=kwargs["gguf_file"])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
     return model, tokenizer
 
 

@@ -61,10 +61,18 @@ def resolve_model_source(model_path: str, load_format: str = "auto") -> ModelSou
 
 
 def hf_pretrained_args(model_path: str) -> tuple[str, dict]:
-    """(path, kwargs) for transformers' `from_pretrained`: a .gguf file becomes its folder + gguf_file=."""
-    if is_gguf_file(model_path):
-        return str(Path(model_path).parent), {"gguf_file": Path(model_path).name}
-    return model_path, {}
+    """(path, kwargs) for transformers' `from_pretrained`: a .gguf file becomes its folder + gguf_file=,
+    plus (transformers >= 5, which otherwise keeps the weights packed) dequantize=True: a dense model."""
+    if not is_gguf_file(model_path):
+        return model_path, {}
+    kwargs: dict = {"gguf_file": Path(model_path).name}
+    try:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize GGUF weights
+        pass
+    return str(Path(model_path).parent), kwargs
 
 
 def find_gguf_file(model_path: str, load_format: str) -> Path | None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixlm.runtime.layers.attention.torch_native import TorchNativeAttnBackend
+from radixlm.runtime.mem_cache.kv_manager import write_slots
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models.gguf_loader import hf_tensor_name, materialize_gguf, unpermute_qk
@@ -95,6 +96,7 @@ def _prefill_logits(model: torch.nn.Module, config: ModelConfig, ids: list[int],
     alloc = TokenToKVPoolAllocator(num_pages, page_size)
     kv = KVCache(num_pages, page_size, config.num_layers, config.num_kv_heads, config.head_dim, config.dtype, "cpu")
     out_loc = alloc.alloc_extend([0], [len(ids)], [0])
+    write_slots(pool.req_to_token, [0], [0], [len(ids)], out_loc)
     fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [0], [0], [len(ids)], out_loc, pool, kv, "cpu")
     fb.attn_backend = TorchNativeAttnBackend()
     fb.attn_backend.init_forward_metadata(fb)
