@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,28 @@ class HttpLimits:
                    args.max_connections)
 
 
+class _Throttled:
+    """Logs one line per `every_s` seconds at most (an attack must not flood the log)."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s = every_s
+        self.last = -every_s
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.suppressed += 1
+            return
+        more = f" (+{self.suppressed} similar)" if self.suppressed else ""
+        logger.warning(msg + more, *args)
+        self.last, self.suppressed = now, 0
+
+
+_refused_log = _Throttled()
+_timeout_log = _Throttled()
+
+
 def _raw_response(status: int, reason: str, message: str) -> bytes:
     body = message.encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -59,8 +82,8 @@ def limited_h11_protocol(limits: HttpLimits) -> type[H11Protocol]:
             self._timed_cycle: Any = None
             self._send_timer: asyncio.TimerHandle | None = None
             if len(self.connections) > limits.max_connections:
-                logger.warning("connection refused: more than --max-connections (%d) open",
-                               limits.max_connections)
+                _refused_log.warning("connection refused: more than --max-connections (%d) open",
+                                     limits.max_connections)
                 self._close_with(503, "Service Unavailable", "Too many connections")
                 return
             self._arm(limits.header_timeout, "request headers", 408)
@@ -107,8 +130,8 @@ def limited_h11_protocol(limits: HttpLimits) -> type[H11Protocol]:
 
         def _on_send_stall(self) -> None:
             self._send_timer = None
-            logger.info("client %s read nothing for %.0f s (--http-send-timeout): dropping the connection",
-                        self.client, limits.send_timeout)
+            _timeout_log.warning("client %s read nothing for %.0f s (--http-send-timeout): dropping the "
+                                 "connection", self.client, limits.send_timeout)
             self.transport.abort()
 
         # ---------------------------------------------------------------- timers
@@ -124,7 +147,7 @@ def limited_h11_protocol(limits: HttpLimits) -> type[H11Protocol]:
             self._limit_timer = None
             if self.transport.is_closing():
                 return
-            logger.info("client %s did not send %s within %.0f s: closing", self.client, what, seconds)
+            _timeout_log.warning("client %s did not send %s within %.0f s: closing", self.client, what, seconds)
             cycle = self.cycle if self.cycle is self._timed_cycle else None
             if cycle is not None and cycle.response_started:
                 self.transport.close()
