@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -179,7 +180,7 @@ inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m
   if (first) {  // nothing prefetched this block's K rows yet
     for (int t = 0; t < n; ++t) prefetch_row<D>(k + static_cast<int64_t>(slots[t]) * k_s0 + k_off);
   }
-  int pf = std::max(n_next, 0);
+  int pf = n_next;  // -1: no prefetching at all
   for (int q0 = 0; q0 < nq; q0 += 4) {
     const int gb = std::min(4, nq - q0);
     if (lim[q0 + gb - 1] < j0) continue;
@@ -197,10 +198,24 @@ inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m
   }
 }
 
+// dst[t, :] = float(row of slots[t]) for t < n: a block-local fp32 copy (at most kBlk rows), so
+// that many query groups do not each convert the same bf16 rows again.
+template <int D, typename kv_t>
+inline void stage_rows(float* dst, const kv_t* src, const int32_t* slots, int n, int64_t s0, int64_t off) {
+  for (int t = 0; t < n; ++t) {
+    const kv_t* r = src + static_cast<int64_t>(slots[t]) * s0 + off;
+    for (int i = 0; i < D / fvec::N; ++i) fvec::load(r + i * fvec::N).store(dst + t * D + i * fvec::N);
+  }
+}
+
 struct Scratch {
-  std::vector<float> qf, acc, s, m, l;
+  std::vector<float> qf, acc, s, m, l, kf, vf;
   std::vector<int64_t> lim;  // last visible key index per query vector
-  Scratch(int nq, int D) : qf(nq * D), acc(nq * D), s(nq * kBlk), m(nq), l(nq), lim(nq) {}
+  std::vector<int32_t> iota;  // 0..kBlk-1: the "slots" of a staged block
+  Scratch(int nq, int D)
+      : qf(nq * D), acc(nq * D), s(nq * kBlk), m(nq), l(nq), kf(kBlk * D), vf(kBlk * D), lim(nq), iota(kBlk) {
+    for (int t = 0; t < kBlk; ++t) iota[t] = t;
+  }
   void reset(int nq, int D) {
     std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
     std::fill(m.begin(), m.begin() + nq, kNegInf);
@@ -311,8 +326,15 @@ void extend_kernel(const Args& a) {
       for (int64_t j0 = 0; j0 < k_end; j0 += kBlk) {
         const int n = static_cast<int>(std::min<int64_t>(kBlk, k_end - j0));
         const int n_next = static_cast<int>(std::min<int64_t>(kBlk, std::max<int64_t>(0, k_end - j0 - kBlk)));
-        attend_block<kv_t, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(), k, v,
-                              tok + j0, j0, n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == 0);
+        if (std::is_same_v<kv_t, bf16> && nq > 8) {  // many groups: convert each bf16 row once
+          stage_rows<D>(w.kf.data(), k, tok + j0, n, a.k_s0, kvh * a.k_s1);
+          stage_rows<D>(w.vf.data(), v, tok + j0, n, a.v_s0, kvh * a.v_s1);
+          attend_block<float, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(),
+                                 w.kf.data(), w.vf.data(), w.iota.data(), j0, n, D, 0, D, 0, -1, false);
+        } else {
+          attend_block<kv_t, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(), k,
+                                v, tok + j0, j0, n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == 0);
+        }
       }
       for (int r = 0; r < nr; ++r)
         for (int g = 0; g < G; ++g) {
