@@ -156,12 +156,12 @@ class KVManager:
         Evicts cache as needed. Returns the int64 slots in request order (the pass's
         `out_cache_loc`), or None, changing nothing, when even eviction cannot make room.
         """
-        prefix_lens = [r.cached_len for r in reqs]
+        prefix_lens = [req.cached_len for req in reqs]
         ends = [p + n for p, n in zip(prefix_lens, extend_lens)]
         if not self.ensure_free(self.new_slots_needed(prefix_lens, ends)):
             return None
         table = self.req_to_token_pool.req_to_token
-        rows = [r.req_pool_idx for r in reqs]
+        rows = [req.req_pool_idx for req in reqs]
         last_locs = [int(table[row, p - 1]) if p else 0 for row, p in zip(rows, prefix_lens)]
         loc = self.allocator.alloc_extend(prefix_lens, ends, last_locs)
         assert loc is not None, "allocation failed after ensure_free"
