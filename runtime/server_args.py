@@ -14,6 +14,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.parsers.reasoning import REASONING_PARSERS
+from radixlm.runtime.parsers.tool_call import TOOL_CALL_PARSERS
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -70,8 +73,10 @@ class ServerArgs:
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
                              KV_CACHE_DTYPES)
     enable_cache_report: bool = _f(False, "Accepted for SGLang compatibility: cached tokens are always reported.")
-    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).")
-    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).")
+    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).",
+                                      tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).",
+                                      tuple(REASONING_PARSERS))
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
@@ -85,6 +90,7 @@ class ServerArgs:
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
     log_level: str = _f("info", "Log level.", ("debug", "info", "warning", "error"))
     log_requests: bool = _f(False, "Log every request's inputs and outputs (debug aid).")
+    decode_log_interval: int = _f(40, "Log a decode batch line every this many decode steps (0: never).")
     enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
     random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
     watchdog_interval: float = _f(0.5, "Seconds between child-process liveness checks.")

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import radixlm
-from radixlm.runtime.entrypoints.chat_template import ChatTemplate, resolve_chat_template
+from radixlm.runtime.entrypoints.chat_template import JinjaChatTemplate, resolve_chat_template
 from radixlm.runtime.entrypoints.dashboard import add_dashboard_routes
 from radixlm.runtime.entrypoints.errors import (
     APIError,
@@ -138,13 +138,14 @@ async def _send_error(send: Send, status: int, message: str, code: str,
 
 # ---------------------------------------------------------------------- app
 def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: MetricsCollector,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
+               chat_template: JinjaChatTemplate | None = None) -> FastAPI:
     """Builds the FastAPI app around a running TokenizerManager."""
     template = chat_template or resolve_chat_template(server_args.chat_template, tokenizer_manager.tokenizer)
     app = FastAPI(title="radixlm", version=radixlm.__version__)
     app.state.server = ServerState(tokenizer_manager, server_args, metrics,
                                    OpenAIServing(tokenizer_manager, server_args.model_name,
-                                                 server_args.model_path or "", template))
+                                                 server_args.model_path or "", template,
+                                                 server_args.tool_call_parser, server_args.reasoning_parser))
     install_error_handlers(app)
     _add_native_routes(app, app.state.server)
     _add_openai_routes(app, app.state.server.openai)
@@ -191,10 +192,11 @@ def capacity_report(info: dict[str, Any], context_len: int) -> dict[str, Any]:
 
 
 def format_capacity(cap: dict[str, Any]) -> list[str]:
-    return [f"KV cache: {cap['kv_bytes_per_token']} bytes per token, {cap['max_total_tokens']} tokens "
-            f"({cap['kv_pool_bytes'] / 2**20:.1f} MiB)",
-            f"Context length {cap['context_len']}: at most {cap['max_concurrent_requests_at_context']} "
-            f"concurrent requests at full context (max running requests: {cap['max_running_requests']})"]
+    """The startup capacity report: one line."""
+    return [f"KV cache: {cap['max_total_tokens']} tokens ({cap['kv_pool_bytes'] / 2**20:.1f} MiB, "
+            f"{cap['kv_bytes_per_token']} bytes per token); context length {cap['context_len']}: at most "
+            f"{cap['max_concurrent_requests_at_context']} concurrent requests at full context "
+            f"(max running requests: {cap['max_running_requests']})"]
 
 
 async def health_generate(tm: Any, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
