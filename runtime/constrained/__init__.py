@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
+    "DEFAULT_JSON_WHITESPACE_PATTERN": "regex_rules",
     "JSON_OBJECT_SCHEMA": "regex_rules",
     "GrammarError": "regex_rules",
     "normalize_regex": "regex_rules",

@@ -17,6 +17,8 @@ import json
 
 from outlines_core.json_schema import build_regex_from_schema
 
+# None: json.dumps layout (see the module docstring); a regex: whitespace the model may choose
+DEFAULT_JSON_WHITESPACE_PATTERN: str | None = None
 # response_format {"type": "json_object"}: any JSON object, see `any_json_object_regex`
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _JSON_STRING = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
