@@ -36,7 +36,10 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
 @dataclass(frozen=True)
 class ServerArgs:
     # --- model and tokenizer
-    model_path: str | None = _f(None, "Local folder or hub id of the model. Default: the bundled demo model.")
+    model_path: str | None = _f(None, "Local folder, hub id, .gguf file or smollm2-135m-instruct. "
+                                      "Default: the bundled demo model.")
+    load_format: str = _f("auto", "Checkpoint format (auto: .gguf files are GGUF, folders safetensors).",
+                          ("auto", "safetensors", "gguf"))
     tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
     served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
     chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")
@@ -58,6 +61,18 @@ class ServerArgs:
     max_queued_requests: int | None = _f(None, "Reject new requests with 503 when this many are waiting.")
     request_timeout: float | None = _f(None, "Abort requests that run longer than this many seconds.")
     max_request_bytes: int = _f(8 * 1024 * 1024, "Refuse HTTP bodies larger than this with 413.")
+    max_top_logprobs: int = _f(20, "Largest top_logprobs_num a request may ask for (400 above).")
+    max_response_bytes: int = _f(64 * 1024 * 1024, "Abort a request whose output would grow past this "
+                                 "many bytes (estimated: text + logprob entries).")
+    max_stream_buffer_bytes: int = _f(4 * 1024 * 1024, "Abort a stream once this much output waits "
+                                      "unread by its client (estimated bytes).")
+    http_header_timeout: float = _f(10.0, "Close connections whose request headers are not complete "
+                                    "within this many seconds (slowloris guard).")
+    http_body_timeout: float = _f(60.0, "Close connections whose request body is not complete within "
+                                  "this many seconds after its headers.")
+    http_send_timeout: float = _f(60.0, "Close connections that read none of the response for this many "
+                                  "seconds (their request is aborted).")
+    max_connections: int = _f(1024, "Open HTTP connections at most; more are closed at once.")
     # --- kernels and features
     attention_backend: str | None = _f(None, "Attention kernels (default: flashinfer on CUDA, else torch_native).",
                                        ATTENTION_BACKENDS)
@@ -130,7 +145,11 @@ class ServerArgs:
     # ------------------------------------------------------------ derived
     def resolved(self) -> ServerArgs:
         """Fill in defaults that depend on the environment (model path, device, backend)."""
-        model_path = self.model_path or default_model_path()
+        from radixlm.runtime.models.resolve import resolve_model_source
+
+        source = resolve_model_source(self.model_path or default_model_path(), self.load_format)
+        model_path = source.model_path
+        served_name = self.served_model_name or (self.model_path if model_path != self.model_path else None)
         device = self.device
         if device == "auto":
             import torch
@@ -142,7 +161,8 @@ class ServerArgs:
             from radixlm.runtime.utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
-        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or model_path,
+        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or source.tokenizer_path
+                            or model_path, served_model_name=served_name,
                             device=device, attention_backend=backend, dist_init_addr=dist_addr)
 
     def validate(self) -> None:
@@ -156,6 +176,10 @@ class ServerArgs:
             raise ValueError("--max-total-tokens is too small")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_top_logprobs < 0 or self.max_connections < 1:
+            raise ValueError("--max-top-logprobs must be >= 0 and --max-connections >= 1")
+        if min(self.http_header_timeout, self.http_body_timeout, self.http_send_timeout) <= 0:
+            raise ValueError("--http-header-timeout, --http-body-timeout and --http-send-timeout must be > 0")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()
