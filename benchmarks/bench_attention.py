@@ -24,6 +24,7 @@ from radixlm.runtime.layers.attention.base import RadixAttention
 from radixlm.runtime.layers.attention.torch_native import TorchNativeAttnBackend
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.utils import ceil_div
 
 SHAPES = {  # name: (q heads, kv heads, head_dim)
     "smollm2-135m": (9, 3, 64),
@@ -43,7 +44,7 @@ def build(shape: tuple[int, int, int], bs: int, ctx: int, extend_len: int, layer
     heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seed)
     seq = ctx + extend_len
-    pages_per_req = -(-seq // page_size)
+    pages_per_req = ceil_div(seq, page_size)
     num_pages = bs * pages_per_req
     kv = KVCache(num_pages, page_size, layers, kv_heads, head_dim, dtype, "cpu")
     for buf in kv.k_buffer + kv.v_buffer:

@@ -36,7 +36,10 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
 @dataclass(frozen=True)
 class ServerArgs:
     # --- model and tokenizer
-    model_path: str | None = _f(None, "Local folder or hub id of the model. Default: the bundled demo model.")
+    model_path: str | None = _f(None, "Local folder, hub id, .gguf file or smollm2-135m-instruct. "
+                                      "Default: the bundled demo model.")
+    load_format: str = _f("auto", "Checkpoint format (auto: .gguf files are GGUF, folders safetensors).",
+                          ("auto", "safetensors", "gguf"))
     tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
     served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
     chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")
@@ -129,7 +132,11 @@ class ServerArgs:
     # ------------------------------------------------------------ derived
     def resolved(self) -> ServerArgs:
         """Fill in defaults that depend on the environment (model path, device, backend)."""
-        model_path = self.model_path or default_model_path()
+        from radixlm.runtime.models.resolve import resolve_model_source
+
+        source = resolve_model_source(self.model_path or default_model_path(), self.load_format)
+        model_path = source.model_path
+        served_name = self.served_model_name or (self.model_path if model_path != self.model_path else None)
         device = self.device
         if device == "auto":
             import torch
@@ -141,7 +148,8 @@ class ServerArgs:
             from radixlm.runtime.utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
-        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or model_path,
+        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or source.tokenizer_path
+                            or model_path, served_model_name=served_name,
                             device=device, attention_backend=backend, dist_init_addr=dist_addr)
 
     def validate(self) -> None:

@@ -16,8 +16,10 @@ import torch
 from radixlm.kernels import cpu_attention
 from radixlm.runtime.layers.attention.base import RadixAttention
 from radixlm.runtime.layers.attention.torch_native import TorchNativeAttnBackend
+from radixlm.runtime.mem_cache.kv_manager import write_slots
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.utils import ceil_div
 
 KERNELS = cpu_attention.load_cpu_attention()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="CPU attention kernels unavailable (no AVX2/AVX512 or build failed)")
@@ -30,7 +32,7 @@ def make_batch(lens: list[tuple[int, int]], page_size: int, heads: int, kv_heads
     """Requests (prefix_len, seq_len); returns the batch (this pass's K/V written) and q."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    num_pages = 2 * sum(-(-s // page_size) + 2 for _, s in lens) + 8
+    num_pages = 2 * sum(ceil_div(s, page_size) + 2 for _, s in lens) + 8
     alloc = TokenToKVPoolAllocator(num_pages, page_size)
     kv = KVCache(num_pages, page_size, 1, kv_heads, head_dim, dtype, "cpu")
     pool = ReqToTokenPool(len(lens) + 3, max(s for _, s in lens) + 1, "cpu")
@@ -44,6 +46,7 @@ def make_batch(lens: list[tuple[int, int]], page_size: int, heads: int, kv_heads
         last_locs.append(int(slots[-1]) if slots is not None else 0)
     prefix_lens, seq_lens = [p for p, _ in lens], [s for _, s in lens]
     out_loc = alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
+    write_slots(pool.req_to_token, rows, prefix_lens, seq_lens, out_loc)
     fb = ForwardBatch.build(mode, [0] * int(out_loc.numel()), rows, prefix_lens, seq_lens, out_loc, pool, kv, "cpu")
     for buf in kv.k_buffer + kv.v_buffer:
         buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
@@ -125,9 +128,9 @@ EXTEND_LENS = [(0, 7), (16, 40), (5, 6), (32, 100), (0, 1), (10, 150), (48, 49)]
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_prefix_matches_reference(page_size, heads, kv_heads, head_dim, dtype):
-    """Ragged prefix + extend, including one-token extends (decodes in a MIXED batch)."""
+    """Ragged prefix + extend, including one-token extends (decodes in a mixed EXTEND batch)."""
     fb, q = make_batch(EXTEND_LENS, page_size, heads, kv_heads, head_dim, dtype, seed=7 + heads,
-                       mode=ForwardMode.MIXED)
+                       mode=ForwardMode.EXTEND)
     layer = RadixAttention(0, heads, kv_heads, head_dim, head_dim ** -0.5)
     check(fb, q, layer, run(fb, q, layer, kernel_backend()))
 
@@ -146,7 +149,7 @@ def test_non_contiguous_q_and_small_head_dim():
 def test_unsupported_dtype_falls_back_to_torch():
     """fp16 is outside the kernels: the backend uses the torch path for that layer."""
     heads, kv_heads, head_dim = 4, 2, 64
-    fb, q = make_batch([(3, 4), (0, 5)], 1, heads, kv_heads, head_dim, torch.float16, seed=1, mode=ForwardMode.MIXED)
+    fb, q = make_batch([(3, 4), (0, 5)], 1, heads, kv_heads, head_dim, torch.float16, seed=1, mode=ForwardMode.EXTEND)
     layer = RadixAttention(0, heads, kv_heads, head_dim, 0.125)
     out = run(fb, q, layer, kernel_backend())
     torch.testing.assert_close(out.float(), reference(fb, q, layer), atol=1e-2, rtol=1e-2)
@@ -181,7 +184,7 @@ def test_avx2_build_matches_reference():
     assert avx2 is not None and avx2.isa() == "avx2"
     backend = TorchNativeAttnBackend()
     backend.kernels = avx2
-    for mode, lens in ((ForwardMode.DECODE, [(s - 1, s) for s in (1, 30, 700)]), (ForwardMode.MIXED, EXTEND_LENS)):
+    for mode, lens in ((ForwardMode.DECODE, [(s - 1, s) for s in (1, 30, 700)]), (ForwardMode.EXTEND, EXTEND_LENS)):
         for dtype in (torch.float32, torch.bfloat16):
             fb, q = make_batch(lens, 16, 8, 2, 64, dtype, seed=9, mode=mode)
             layer = RadixAttention(0, 8, 2, 64, 0.125)
