@@ -61,6 +61,18 @@ class ServerArgs:
     max_queued_requests: int | None = _f(None, "Reject new requests with 503 when this many are waiting.")
     request_timeout: float | None = _f(None, "Abort requests that run longer than this many seconds.")
     max_request_bytes: int = _f(8 * 1024 * 1024, "Refuse HTTP bodies larger than this with 413.")
+    max_top_logprobs: int = _f(20, "Largest top_logprobs_num a request may ask for (400 above).")
+    max_response_bytes: int = _f(64 * 1024 * 1024, "Abort a request whose output would grow past this "
+                                 "many bytes (estimated: text + logprob entries).")
+    max_stream_buffer_bytes: int = _f(4 * 1024 * 1024, "Abort a stream once this much output waits "
+                                      "unread by its client (estimated bytes).")
+    http_header_timeout: float = _f(10.0, "Close connections whose request headers are not complete "
+                                    "within this many seconds (slowloris guard).")
+    http_body_timeout: float = _f(60.0, "Close connections whose request body is not complete within "
+                                  "this many seconds after its headers.")
+    http_send_timeout: float = _f(60.0, "Close connections that read none of the response for this many "
+                                  "seconds (their request is aborted).")
+    max_connections: int = _f(1024, "Open HTTP connections at most; more are closed at once.")
     # --- kernels and features
     attention_backend: str | None = _f(None, "Attention kernels (default: flashinfer on CUDA, else torch_native).",
                                        ATTENTION_BACKENDS)
@@ -163,6 +175,10 @@ class ServerArgs:
             raise ValueError("--max-total-tokens is too small")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_top_logprobs < 0 or self.max_connections < 1:
+            raise ValueError("--max-top-logprobs must be >= 0 and --max-connections >= 1")
+        if min(self.http_header_timeout, self.http_body_timeout, self.http_send_timeout) <= 0:
+            raise ValueError("--http-header-timeout, --http-body-timeout and --http-send-timeout must be > 0")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         if self.kv_cache_dtype.startswith("fp8"):

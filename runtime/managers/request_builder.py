@@ -11,6 +11,8 @@ import uuid
 from typing import Any
 
 from radixlm.runtime.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
+from radixlm.runtime.managers.request_validation import check_logprob_start, validate_generate_fields
+from radixlm.runtime.managers.text_encoding import encode_texts
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
 
@@ -33,9 +35,10 @@ class RequestBuilder:
 
     def _prepare(self, obj: GenerateReqInput, in_flight: Any) -> tuple[list[TokenizedGenerateReq], bool, bool]:
         """Normalizes single/batch input into wire requests (n > 1 expanded). Raises ValueError."""
+        validate_generate_fields(obj, self.server_args.max_top_logprobs)
         items, is_single = self._split_items(obj)
         texts = [it["text"] for it in items if it.get("text") is not None]
-        encoded = iter(self.tokenizer(texts)["input_ids"]) if texts else iter(())
+        encoded = iter(encode_texts(self.tokenizer, texts)) if texts else iter(())
         reqs: list[TokenizedGenerateReq] = []
         for i, it in enumerate(items):
             ids = list(next(encoded)) if it.get("text") is not None else it["input_ids"]
@@ -99,6 +102,8 @@ class RequestBuilder:
             raise ValueError("logprob_start_len must be -1 (output only) or a prompt position >= 0")
         if not isinstance(top_n, int) or not 0 <= top_n <= self.vocab_size:
             raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}]")
+        if start >= 0:
+            check_logprob_start(start, len(ids))
         rid = it["rid"] if it["rid"] is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError("rid must be a non-empty string")
