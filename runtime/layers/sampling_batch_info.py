@@ -164,8 +164,7 @@ def is_plain_greedy(params: list[SamplingParams], output_ids: list[list[int]]) -
     logits, and building a SamplingBatchInfo can be skipped. Grammar masks and logprobs are the
     caller's to check."""
     for p, out in zip(params, output_ids, strict=True):
-        penalized = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
-        if not p.is_greedy or penalized or p.logit_bias or len(out) < p.min_new_tokens:
+        if not p.is_greedy or p.has_penalties or p.logit_bias or len(out) < p.min_new_tokens:
             return False
     return True
 
