@@ -3,16 +3,15 @@
     create_app(tokenizer_manager, server_args, metrics, chat_template) -> FastAPI
     launch_server(server_args)   # blocks: children, uvicorn (uvloop), readiness log, clean exit
 
-Every error answers with the OpenAI error body (errors.py). GuardMiddleware runs before any
-parsing: it refuses bodies over `--max-request-bytes` (413) and, with `--api-key`, requests
-without `Authorization: Bearer KEY` (401) on every route but /health and /metrics.
+Every error answers with the OpenAI error body (errors.py). The middleware (middleware.py) checks
+the API key and the body size before any parsing, and logs every 4xx/5xx with its route.
+/tokenize and /detokenize live in tokenize_routes.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 import uuid
@@ -21,7 +20,6 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.entrypoints.chat_template import ChatTemplate, resolve_chat_template
@@ -33,6 +31,7 @@ from radixlm.runtime.entrypoints.errors import (
     raise_if_rejected,
     to_api_error,
 )
+from radixlm.runtime.entrypoints.middleware import GuardMiddleware, RequestLogMiddleware
 from radixlm.runtime.entrypoints.openai_api import OpenAIServing
 from radixlm.runtime.entrypoints.openai_format import DONE, SSEResponse, sse
 from radixlm.runtime.entrypoints.openai_protocol import (
@@ -42,98 +41,15 @@ from radixlm.runtime.entrypoints.openai_protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from radixlm.runtime.entrypoints.tokenize_routes import add_tokenize_routes
 from radixlm.runtime.managers.io_struct import GenerateReqInput
 from radixlm.runtime.metrics import MetricsCollector
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")
 HEALTH_TIMEOUT_S = 20.0
 STATE_TIMEOUT_S = 10.0
-
-
-# ---------------------------------------------------------------------- guard middleware
-class GuardMiddleware:
-    """Pure ASGI: the API key check and the body-size limit, before FastAPI reads anything."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_request_bytes = max_request_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
-            await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
-            return
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            too_big = f"The request body is larger than --max-request-bytes ({self.max_request_bytes} bytes)"
-            declared = headers.get(b"content-length", b"0")
-            if declared.isdigit() and int(declared) > self.max_request_bytes:
-                await _send_error(send, 413, too_big, code="request_too_large")
-                return
-            body = await self._read_body(receive)
-            if body is None:
-                await _send_error(send, 413, too_big, code="request_too_large")
-                return
-            receive = _replay(body, receive)
-            scope = _as_json(scope, headers)
-        await self.app(scope, receive, send)
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        value = headers.get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None once it passes the limit (the rest is not read)."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return b"".join(chunks)
-
-
-def _as_json(scope: Scope, headers: dict[bytes, bytes]) -> Scope:
-    """Every POST route takes JSON: treat a body sent without a JSON content type (`curl -d`) as JSON."""
-    if b"json" in headers.get(b"content-type", b"").lower():
-        return scope
-    raw = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-    return {**scope, "headers": raw + [(b"content-type", b"application/json")]}
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()   # later calls: http.disconnect when the client goes away
-
-    return replay
-
-
-async def _send_error(send: Send, status: int, message: str, code: str,
-                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = orjson.dumps(error_body(status, message, code=code))
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
-    await send({"type": "http.response.body", "body": body})
 
 
 # ---------------------------------------------------------------------- app
@@ -149,8 +65,10 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     _add_native_routes(app, app.state.server)
     _add_openai_routes(app, app.state.server.openai)
     add_dashboard_routes(app, tokenizer_manager)
+    add_tokenize_routes(app, tokenizer_manager)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        max_request_bytes=server_args.max_request_bytes)
+    app.add_middleware(RequestLogMiddleware, log_requests=server_args.log_requests)   # outermost
     return app
 
 

@@ -113,8 +113,9 @@ class ServerLifecycle:
         self.tm = TokenizerManager(self.args, self.subprocesses.port_args, info, metrics=metrics)
         app = create_app(self.tm, self.args, metrics)
         self.state = app.state.server
-        config = uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level=self.args.log_level,
-                                access_log=self.args.log_requests, lifespan="off", timeout_keep_alive=5,
+        config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
+                                log_level=self.args.log_level_http or self.args.log_level,
+                                access_log=self.args.enable_access_log, lifespan="off", timeout_keep_alive=5,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096)
         self.server = _make_uvicorn_server(config, self)
         if self.child_failure:   # died between the handshake and now
