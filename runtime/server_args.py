@@ -16,6 +16,8 @@ from typing import Any
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+GRAMMAR_BACKEND_NAMES = ("outlines", "xgrammar", "llguidance", "none")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "fp8_e5m2", "fp8_e4m3")
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
@@ -58,6 +60,16 @@ class ServerArgs:
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
     grammar_compile_timeout: float = _f(30.0, "Seconds allowed to compile one regex / JSON schema.")
     constrained_json_whitespace_pattern: str | None = _f(None, "Regex for whitespace allowed inside JSON output.")
+    grammar_backend: str = _f("outlines", "Grammar backend for regex / JSON / EBNF constraints.",
+                              GRAMMAR_BACKEND_NAMES)
+    max_constraint_bytes: int = _f(64 * 1024, "Refuse regex / JSON schema / EBNF constraints larger than this.")
+    sampling_defaults: str = _f("openai", "Defaults for unset sampling params: 'model' reads "
+                                "generation_config.json, 'openai' uses the OpenAI defaults.", ("openai", "model"))
+    kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
+                             KV_CACHE_DTYPES)
+    enable_cache_report: bool = _f(False, "Accepted for SGLang compatibility: cached tokens are always reported.")
+    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).")
+    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).")
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
@@ -139,6 +151,10 @@ class ServerArgs:
             raise ValueError("--max-total-tokens is too small")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_constraint_bytes < 1:
+            raise ValueError("--max-constraint-bytes must be >= 1")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported; use auto or the model dtype")
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
 
