@@ -1,4 +1,4 @@
-"""Small process helpers shared by the child processes."""
+"""Small process helpers shared by the server and its child processes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import signal
 import socket
 import sys
 
+READY_LINE = "The server is fired up and ready to roll!"   # logged once the warm-up generation worked
+
 
 def configure_logging(level: str, prefix: str) -> None:
+    """Replaces the root logger's handlers: `[12:00:00 prefix] INFO message` lines on stderr."""
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), force=True,
                         format=f"[%(asctime)s {prefix}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)

@@ -1,7 +1,8 @@
-"""The HTTP server: SGLang's native routes, the OpenAI routes, /metrics, and `launch_server`.
+"""The HTTP app: SGLang's native routes, the OpenAI routes, /metrics, /tokenize, /dashboard.
 
     create_app(tokenizer_manager, server_args, metrics, chat_template) -> FastAPI
-    launch_server(server_args)   # blocks: children, uvicorn (uvloop), readiness log, clean exit
+
+server_lifecycle.run_server starts the children and serves this app with uvicorn.
 
 Every error answers with the OpenAI error body (errors.py). The middleware (middleware.py) checks
 the API key and the body size before any parsing, and logs every 4xx/5xx with its route.
@@ -10,11 +11,9 @@ the API key and the body size before any parsing, and logs every 4xx/5xx with it
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -41,6 +40,7 @@ from radixlm.runtime.entrypoints.openai_protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from radixlm.runtime.entrypoints.server_info import health_generate, server_info
 from radixlm.runtime.entrypoints.tokenize_routes import add_tokenize_routes
 from radixlm.runtime.managers.io_struct import GenerateReqInput
 from radixlm.runtime.metrics import MetricsCollector
@@ -81,59 +81,8 @@ class ServerState:
     started_at: float = dataclasses.field(default_factory=time.time)
     failure: str | None = None      # set when a child died: /health turns 503
 
-    def capacity(self) -> dict[str, Any]:
-        return capacity_report(self.tm.scheduler_info, self.tm.context_len)
-
     async def server_info(self) -> dict[str, Any]:
-        args = dataclasses.asdict(self.server_args)
-        args["api_key"] = None if self.server_args.api_key is None else "<redacted>"
-        stats = self.tm.latest_stats
-        try:
-            state = await asyncio.wait_for(self.tm.get_internal_state(), STATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError) as e:
-            state = {"error": f"scheduler state unavailable: {e!r}"}
-        return {**args, **self.tm.scheduler_info, **self.capacity(), "version": radixlm.__version__,
-                "scheduler_stats": dataclasses.asdict(stats) if stats is not None else None,
-                "internal_states": [state], "num_running_requests": self.tm.num_running_requests(),
-                "uptime_s": time.time() - self.started_at}
-
-
-def capacity_report(info: dict[str, Any], context_len: int) -> dict[str, Any]:
-    """The figures printed at startup and returned by /get_server_info."""
-    max_total = int(info.get("max_total_tokens") or 0)
-    per_token = int(info.get("kv_bytes_per_token") or 0)
-    return {"kv_bytes_per_token": per_token, "max_total_tokens": max_total, "context_len": context_len,
-            "kv_pool_bytes": per_token * max_total,
-            "max_concurrent_requests_at_context": max_total // context_len if context_len else 0,
-            "max_running_requests": info.get("max_running_requests")}
-
-
-def format_capacity(cap: dict[str, Any]) -> list[str]:
-    return [f"KV cache: {cap['kv_bytes_per_token']} bytes per token, {cap['max_total_tokens']} tokens "
-            f"({cap['kv_pool_bytes'] / 2**20:.1f} MiB)",
-            f"Context length {cap['context_len']}: at most {cap['max_concurrent_requests_at_context']} "
-            f"concurrent requests at full context (max running requests: {cap['max_running_requests']})"]
-
-
-async def health_generate(tm: Any, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
-    """Runs a 1-token generation; returns None when it worked, else what went wrong."""
-    obj = GenerateReqInput(input_ids=[0], rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-                           sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-
-    async def one() -> None:
-        stream = tm.generate(obj)
-        try:
-            await stream.__anext__()
-        finally:
-            await stream.aclose()
-
-    try:
-        await asyncio.wait_for(one(), timeout)
-    except asyncio.TimeoutError:
-        return f"no generation within {timeout:.0f} s"
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+        return await server_info(self.server_args, self.tm, self.started_at)
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -242,11 +191,3 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
-
-
-# ---------------------------------------------------------------------- launch
-def launch_server(server_args: ServerArgs) -> None:
-    """Starts the children and serves HTTP until SIGINT/SIGTERM or a child dies; then exits."""
-    from radixlm.runtime.entrypoints.server_lifecycle import run_server
-
-    run_server(server_args)

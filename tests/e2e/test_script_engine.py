@@ -57,9 +57,12 @@ def test_tp2_and_dp2_engines_as_plain_script(llama_path, tmp_path):
         import radixlm
 
         params = {{"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
-        engine = radixlm.Engine(model_path={llama_path!r}, tp_size=2, dtype="float32", max_total_tokens=4000)
+        engine = radixlm.Engine(model_path={llama_path!r}, tp_size=2, dtype="float32", max_total_tokens=4000,
+                                api_key="sk-never-shown")
         out = engine.generate(input_ids={prompt}, sampling_params=params)
-        print("RESULT " + json.dumps({{"ids": out["output_ids"], "tp": engine.get_server_info()["tp_size"]}}))
+        info = engine.get_server_info()
+        print("RESULT " + json.dumps({{"ids": out["output_ids"], "tp": info["tp_size"], "key": info["api_key"],
+                                      "leaked": "sk-never-shown" in json.dumps(info, default=str)}}))
         engine.shutdown()
         engine = radixlm.Engine(model_path={llama_path!r}, dp_size=2, dtype="float32", max_total_tokens=4000)
         outs = engine.generate(input_ids=[{prompt}] * 2, sampling_params=params)
@@ -67,5 +70,5 @@ def test_tp2_and_dp2_engines_as_plain_script(llama_path, tmp_path):
     """)            # the second engine is left for interpreter exit to shut down
     tp, dp = run_script(tmp_path, source)
     expected = hf_greedy(llama_path, prompt, 6)
-    assert tp == {"ids": expected, "tp": 2}
+    assert tp == {"ids": expected, "tp": 2, "key": "<redacted>", "leaked": False}
     assert dp == {"ids": [expected, expected], "dp": 2}

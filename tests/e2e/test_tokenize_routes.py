@@ -7,16 +7,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server_fixtures import start_server
+from tests.server_fixtures import server_fixture
 
 TEXTS = ["def fibonacci(n):\n    return n", "import os, sys", "héllo wörld ✓"]
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, "--max-total-tokens", "4096")
-    yield srv
-    srv.stop()
+server = server_fixture("--max-total-tokens", "4096")
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
