@@ -20,5 +20,6 @@ for pkg, folder in FOLDERS.items():
         packages.append(".".join([pkg, *rel.parts]) if rel.parts else pkg)
 
 setup(packages=packages, package_dir=package_dir,
-      package_data={"radixlm": ["demo_model/*"], "radixlm.runtime": ["entrypoints/static/*"]},
+      package_data={"radixlm": ["demo_model/*"], "radixlm.runtime": ["entrypoints/static/*"],
+                    "radixlm.kernels.cpu_attention": ["*.cpp", "*.h"]},
       include_package_data=True)

@@ -166,7 +166,10 @@ def run_hf(args: argparse.Namespace, model_path: str, work: list[tuple[list[int]
     rss_before = common.rss_bytes(os.getpid())
     sampler = RSSSampler()
     sampler.start()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    from radixlm.runtime.models.resolve import hf_pretrained_args
+
+    path, gguf_kwargs = hf_pretrained_args(model_path)  # a .gguf: its folder + gguf_file=
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **gguf_kwargs).eval()
     rss_loaded = common.rss_bytes(os.getpid())
     bs = args.hf_batch_size
     _hf_batch(model, [([5, 6, 7, 8], 4)])      # warm-up
@@ -248,10 +251,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_path = args.model_path or common.make_qwen2_model(args.model_size, args.vocab_size)
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    from radixlm.runtime.models.gguf_loader import gguf_num_params
+    from radixlm.runtime.models.resolve import resolve_model_source
+
+    source = resolve_model_source(model_path)   # a .gguf (or smollm2-135m-instruct): config from its metadata
+    model_path = source.model_path
+    vocab = AutoConfig.from_pretrained(source.tokenizer_path or model_path).vocab_size
     work = make_workload(args, vocab)
+    params = gguf_num_params(model_path) if source.tokenizer_path else common.count_params(model_path)
     results: dict[str, Any] = {
-        "model_path": model_path, "num_params": common.count_params(model_path), "vocab_size": vocab,
+        "model_path": model_path, "num_params": params, "vocab_size": vocab,
         "workload": {"num_requests": len(work), "input_tokens": sum(len(p) for p, _ in work),
                      "output_tokens": sum(n for _, n in work), "input_range": [args.min_input, args.max_input],
                      "output_range": [args.min_output, args.max_output]}}

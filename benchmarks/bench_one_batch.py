@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,21 +69,23 @@ def measure_bandwidth(num_bytes: int = 256 << 20, hidden: int = 896, dtype: torc
 # ----------------------------------------------------------------- one batch
 def run_batch(runner: Any, batch_size: int, input_len: int, decode_steps: int, seed: int) -> dict[str, Any]:
     """Prefill + decode one static batch; frees every row and slot it took before returning."""
+    from radixlm.runtime.mem_cache.kv_manager import KVManager
     from radixlm.runtime.model_executor.forward_batch import ForwardMode
 
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
     prompts = torch.randint(3, vocab, (batch_size, input_len), generator=gen).tolist()
-    rows = [runner.req_to_token_pool.alloc() for _ in range(batch_size)]
-    if any(r is None for r in rows):
+    kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
+                   runner.device, disable_radix_cache=True)
+    reqs = [_BenchReq(p) for p in prompts]
+    if not all(kv.admit(req, kv.match_prefix([])) for req in reqs):
         raise RuntimeError(f"batch size {batch_size} exceeds max_running_requests")
-    held: list[torch.Tensor] = []
+    rows = [req.req_pool_idx for req in reqs]
     try:
         # prefill: tokens [0, input_len) of every request
-        loc = _alloc(runner, rows, [0] * batch_size, [input_len] * batch_size)
-        held.append(loc)
+        loc = _alloc(kv, reqs, input_len)
         fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows,
-                                       [0] * batch_size, [input_len] * batch_size, loc)
+                                       [0] * batch_size, [input_len] * batch_size, loc, kv.req_to_token_pool)
         t0 = time.perf_counter()
         out = runner.forward(fb)
         prefill_s = time.perf_counter() - t0
@@ -91,30 +94,38 @@ def run_batch(runner: Any, batch_size: int, input_len: int, decode_steps: int, s
         seq = input_len
         for _ in range(decode_steps):
             # decode: token [seq, seq + 1) of every request
-            loc = _alloc(runner, rows, [seq] * batch_size, [seq + 1] * batch_size)
-            held.append(loc)
+            loc = _alloc(kv, reqs, 1)
             fb = runner.make_forward_batch(ForwardMode.DECODE, next_ids, rows, [seq] * batch_size,
-                                           [seq + 1] * batch_size, loc)
+                                           [seq + 1] * batch_size, loc, kv.req_to_token_pool)
             t0 = time.perf_counter()
             out = runner.forward(fb)
             next_ids = out.next_token_logits.argmax(-1).tolist()
             step_times.append(time.perf_counter() - t0)
             seq += 1
     finally:
-        for loc in held:
-            runner.allocator.free(loc)
-        for r in rows:
-            if r is not None:
-                runner.req_to_token_pool.free(r)
+        for req in reqs:
+            kv.cache_finished_req(req)
     return _batch_result(batch_size, input_len, prefill_s, step_times)
 
 
-def _alloc(runner: Any, rows: list[int], prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
-    table = runner.req_to_token_pool.req_to_token
-    last = [int(table[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens, strict=True)]
-    loc = runner.allocator.alloc_extend(prefix_lens, seq_lens, last)
+@dataclass(eq=False)
+class _BenchReq:
+    """The fields KVManager reads and writes (radixlm.runtime.mem_cache.kv_manager.KVReq)."""
+
+    all_ids: list[int]
+    req_pool_idx: int | None = None
+    cached_len: int = 0
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+
+
+def _alloc(kv: Any, reqs: list[_BenchReq], n: int) -> torch.Tensor:
+    """Slots for the next `n` tokens of every request (written into their rows by the KV manager)."""
+    loc = kv.alloc_extend(reqs, [n] * len(reqs))
     if loc is None:
         raise RuntimeError("KV pool too small for this batch; raise --max-total-tokens")
+    for req in reqs:
+        req.cached_len += n
     return loc
 
 

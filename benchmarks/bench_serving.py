@@ -17,10 +17,16 @@ Load: --request-rate (Poisson arrivals, default inf: all at once) and/or --max-c
 the prefix-cache hit rate: the growth of radixlm:prefix_cache_hits_total over
 radixlm:prefix_cache_queries_total in /metrics during the run.
 
+Side by side: `--compare-base-url URL` (with `--compare-name`, `--compare-backend`, optionally
+`--compare-launch CMD`) runs the same benchmark against a second server in the same invocation,
+back to back, and writes one table with the ratios (see serving_compare.py).
+
 examples:
   python benchmarks/bench_serving.py --launch --dataset generated-shared-prefix --max-concurrency 1 4 16
   python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --dataset random --num-prompts 64
   python benchmarks/bench_serving.py --backend openai --base-url http://127.0.0.1:8000 --model m --tokenizer ./m
+  python benchmarks/bench_serving.py --launch --backend radixlm-openai --compare-base-url http://127.0.0.1:8000 \
+      --compare-name vllm-cpu --max-concurrency 1 16 64 --repeats 2
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import httpx  # noqa: E402
 import orjson  # noqa: E402
+import serving_compare  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 BACKENDS = ("radixlm", "radixlm-openai", "openai")
@@ -423,6 +430,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_output_dir_arg(g)
     g.add_argument("--result-name", help="file name stem (default: bench_serving_<dataset>)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    serving_compare.add_compare_args(p)
     args = p.parse_args(argv)
     if args.ignore_eos is None:
         args.ignore_eos = args.backend != "openai"
@@ -434,6 +442,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.compare_base_url:
+        results, load_summary = serving_compare.run(sys.modules[__name__], args)
+        results["workload"] = {k: v for k, v in vars(args).items() if k not in ("headers", "api_key")}
+        name = args.result_name or f"bench_serving_{args.dataset}_vs_{args.compare_name}"
+        common.write_results(name, args.output_dir, results, serving_compare.compare_table(results), load_summary)
+        return results
     results, load_summary = common.run_against_server(args, bench)
     results["workload"] = {k: v for k, v in vars(args).items() if k not in ("headers", "api_key")}
     name = args.result_name or f"bench_serving_{args.dataset}"

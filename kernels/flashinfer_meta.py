@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.runtime.utils import ceil_div
+
 
 class PagedMeta(NamedTuple):
     """FlashInfer's paged-attention metadata for one forward pass (all int32, one device)."""
@@ -91,4 +93,4 @@ def paged_kv_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def total_pages_of(seq_lens_cpu: list[int], page_size: int) -> int:
     """Number of kv_indices entries for these lengths, computed on the host."""
-    return sum(-(-s // page_size) for s in seq_lens_cpu)
+    return sum(ceil_div(s, page_size) for s in seq_lens_cpu)

@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.parsers.reasoning import REASONING_PARSERS
+from radixlm.runtime.parsers.tool_call import TOOL_CALL_PARSERS
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -32,7 +35,10 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
 @dataclass(frozen=True)
 class ServerArgs:
     # --- model and tokenizer
-    model_path: str | None = _f(None, "Local folder or hub id of the model. Default: the bundled demo model.")
+    model_path: str | None = _f(None, "Local folder, hub id, .gguf file or smollm2-135m-instruct. "
+                                      "Default: the bundled demo model.")
+    load_format: str = _f("auto", "Checkpoint format (auto: .gguf files are GGUF, folders safetensors).",
+                          ("auto", "safetensors", "gguf"))
     tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
     served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
     chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")
@@ -68,8 +74,10 @@ class ServerArgs:
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
                              KV_CACHE_DTYPES)
     enable_cache_report: bool = _f(False, "Accepted for SGLang compatibility: cached tokens are always reported.")
-    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).")
-    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).")
+    tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).",
+                                      tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).",
+                                      tuple(REASONING_PARSERS))
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
@@ -86,6 +94,7 @@ class ServerArgs:
     log_level_http: str | None = _f(None, "Log level of the HTTP server (uvicorn); default: --log-level.",
                                     ("debug", "info", "warning", "error"))
     enable_access_log: bool = _f(False, "Log one uvicorn access line per HTTP request (method, path, status).")
+    decode_log_interval: int = _f(40, "Log a decode batch line every this many decode steps (0: never).")
     enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
     random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
     watchdog_interval: float = _f(0.5, "Seconds between child-process liveness checks.")
@@ -125,7 +134,11 @@ class ServerArgs:
     # ------------------------------------------------------------ derived
     def resolved(self) -> ServerArgs:
         """Fill in defaults that depend on the environment (model path, device, backend)."""
-        model_path = self.model_path or default_model_path()
+        from radixlm.runtime.models.resolve import resolve_model_source
+
+        source = resolve_model_source(self.model_path or default_model_path(), self.load_format)
+        model_path = source.model_path
+        served_name = self.served_model_name or (self.model_path if model_path != self.model_path else None)
         device = self.device
         if device == "auto":
             import torch
@@ -137,7 +150,8 @@ class ServerArgs:
             from radixlm.runtime.utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
-        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or model_path,
+        return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or source.tokenizer_path
+                            or model_path, served_model_name=served_name,
                             device=device, attention_backend=backend, dist_init_addr=dist_addr)
 
     def validate(self) -> None:

@@ -39,3 +39,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Smallest integer >= a / b, for a >= 0 and b > 0 (e.g. pages needed for `a` tokens)."""
+    return (a + b - 1) // b
+
+
+def align_down(x: int, page_size: int) -> int:
+    """`x` rounded down to a multiple of `page_size` (the cacheable part of a sequence)."""
+    return x // page_size * page_size
+
+
+def align_up(x: int, page_size: int) -> int:
+    """`x` rounded up to a multiple of `page_size` (the end of the page holding token x - 1)."""
+    return ceil_div(x, page_size) * page_size

@@ -68,11 +68,13 @@ def run_check(results: list[Result], name: str, fn, *args) -> None:
 # ------------------------------------------------------------------ attention
 def make_batch(lens, page_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, mode):
     """A ForwardBatch on CUDA over random paged KV (pages interleaved), this pass's K/V written."""
+    from radixlm.runtime.mem_cache.kv_manager import write_slots
     from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
     from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+    from radixlm.runtime.utils import ceil_div
 
     gen = torch.Generator().manual_seed(1234 + page_size)
-    num_pages = 2 * sum(-(-s // page_size) for _, s in lens) + 8
+    num_pages = 2 * sum(ceil_div(s, page_size) for _, s in lens) + 8
     alloc = TokenToKVPoolAllocator(num_pages, page_size)
     kv = KVCache(num_pages, page_size, 1, kv_heads, head_dim, dtype, DEVICE)
     pool = ReqToTokenPool(len(lens) + 1, max(s for _, s in lens) + 1, DEVICE)
@@ -80,10 +82,11 @@ def make_batch(lens, page_size: int, heads: int, kv_heads: int, head_dim: int, d
     for i, (row, (p, _)) in enumerate(zip(rows, lens, strict=True)):
         alloc.alloc(1 + (i * 7) % (2 * page_size))          # a gap, so pages are not contiguous
         slots = alloc.alloc(p) if p else torch.zeros(1, dtype=torch.int64)
-        pool.req_to_token[row, :p] = slots[:p].to(torch.int32).to(DEVICE)
+        write_slots(pool.req_to_token, [row], [0], [p], slots.to(DEVICE))
         last_locs.append(int(slots[-1]))
     prefix_lens, seq_lens = [p for p, _ in lens], [s for _, s in lens]
     out_loc = alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
+    write_slots(pool.req_to_token, rows, prefix_lens, seq_lens, out_loc.to(DEVICE))
     fb = ForwardBatch.build(mode, [0] * int(out_loc.numel()), rows, prefix_lens, seq_lens, out_loc,
                             pool, kv, DEVICE)
     for buf in (kv.k_buffer[0], kv.v_buffer[0]):
@@ -121,7 +124,7 @@ def check_attention(backend: str, mode_name: str, page_size: int, dtype: torch.d
                     kv_heads: int, head_dim: int) -> tuple[bool, str]:
     from radixlm.runtime.model_executor.forward_batch import ForwardMode
 
-    mode = ForwardMode[mode_name]
+    mode = ForwardMode.DECODE if mode_name == "DECODE" else ForwardMode.EXTEND   # MIXED: an extend batch
     lens = {"EXTEND": EXTEND_LENS, "MIXED": MIXED_LENS, "DECODE": DECODE_LENS}[mode_name]
     fb, q, k, v = make_batch(lens, page_size, heads, kv_heads, head_dim, dtype, mode)
     native = run_backend("torch_native", fb, q, k, v, heads, kv_heads, head_dim)
@@ -158,27 +161,34 @@ def attention_checks(results: list[Result], dtypes: list[str], head_dim: int) ->
 def runner_greedy(model_path: str, backend: str, page_size: int, dtype: str, prompts: list[list[int]],
                   n_new: int) -> list[list[int]]:
     """Greedy tokens driven step by step through ModelRunner (one prefill, then decodes)."""
+    from radixlm.runtime.managers.req import Req
+    from radixlm.runtime.mem_cache.kv_manager import KVManager
     from radixlm.runtime.model_executor.forward_batch import ForwardMode
     from radixlm.runtime.model_executor.model_runner import ModelRunner
+    from radixlm.runtime.sampling_params import SamplingParams
     from radixlm.runtime.server_args import ServerArgs
 
     args = ServerArgs(model_path=model_path, device=DEVICE, dtype=dtype, attention_backend=backend,
                       page_size=page_size, max_total_tokens=8192, max_running_requests=16).resolved()
     runner = ModelRunner(args)
-    bs = len(prompts)
-    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
+                   runner.device, disable_radix_cache=True)
+    reqs = [Req(rid=str(i), origin_input_ids=p, sampling_params=SamplingParams()) for i, p in enumerate(prompts)]
+    for req in reqs:
+        assert kv.admit(req, kv.match_prefix([]))
+    rows = [req.req_pool_idx for req in reqs]
     lens = [len(p) for p in prompts]
-    loc = runner.allocator.alloc_extend([0] * bs, lens, [0] * bs)
-    fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * bs,
-                                   lens, loc)
+    loc = kv.alloc_extend(reqs, lens)
+    fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(reqs),
+                                   lens, loc, kv.req_to_token_pool)
     next_ids = runner.forward(fb).next_token_logits.argmax(-1).tolist()
     outs = [[t] for t in next_ids]
-    table = runner.req_to_token_pool.req_to_token
     for _ in range(n_new - 1):
         seq = [n + 1 for n in lens]
-        last = [int(table[r, n - 1]) for r, n in zip(rows, lens, strict=True)]
-        loc = runner.allocator.alloc_extend(lens, seq, last)
-        fb = runner.make_forward_batch(ForwardMode.DECODE, next_ids, rows, lens, seq, loc)
+        for req, n in zip(reqs, lens, strict=True):
+            req.cached_len = n
+        loc = kv.alloc_extend(reqs, [1] * len(reqs))
+        fb = runner.make_forward_batch(ForwardMode.DECODE, next_ids, rows, lens, seq, loc, kv.req_to_token_pool)
         next_ids = runner.forward(fb).next_token_logits.argmax(-1).tolist()
         for out, t in zip(outs, next_ids, strict=True):
             out.append(t)

@@ -92,7 +92,9 @@ class SchedulerHarness:
 
     def assert_no_leak(self) -> None:
         s = self.scheduler
-        alloc, pool = s.runner.allocator, s.runner.req_to_token_pool
-        assert alloc.available_size() + s.tree.evictable_size() == alloc.size, s.internal_state()
-        assert s.tree.protected_size() == 0
+        kv, pool = s.kv, s.kv.req_to_token_pool
+        assert kv.allocator.available_size() + kv.prefix_cache.evictable_size() == kv.allocator.size, \
+            s.internal_state()
+        assert kv.prefix_cache.protected_size() == 0
         assert pool.available_size() == pool.size
+        assert kv.is_fully_free()

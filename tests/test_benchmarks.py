@@ -112,3 +112,31 @@ def test_bench_prefix_cache_and_plots(server: Any, tmp_path: Path) -> None:
     made = plots.make_plots(tmp_path)
     assert [p.name for p in made] == ["ttft_shared_vs_unique.png"]
     assert made[0].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_serving_side_by_side(server: Any, tmp_path: Path) -> None:
+    """--compare-base-url: the same benchmark against a second server (here the same one through its
+    OpenAI routes), one table with both systems and the ratios."""
+    bench = load_bench("bench_serving")
+    bench.main(["--base-url", server.base_url, "--backend", "radixlm", "--num-prompts", "3", "--input-len", "8",
+                "16", "--output-len", "2", "4", "--max-concurrency", "1", "3", "--repeats", "2",
+                "--compare-base-url", server.base_url, "--compare-backend", "openai", "--compare-name", "peer",
+                "--quiet", "--output-dir", str(tmp_path)])
+    doc = read_result(tmp_path, "bench_serving_random_vs_peer")
+    assert [(r["system"], r["max_concurrency"], r["repeat"]) for r in doc["runs"]] == [
+        (s, c, k) for c in (1, 3) for k in (0, 1) for s in ("radixlm", "peer")]
+    assert all(r["completed"] == 3 and r["failed"] == 0 for r in doc["runs"]), doc["runs"]
+    assert [r["cache_reset"] for r in doc["runs"][:2]] == [True, False]   # radixlm has no /reset_prefix_cache
+    assert len(doc["rows"]) == 4 and all(r["output_throughput_ratio"] > 0 for r in doc["rows"])
+    assert "out tok/s radixlm/peer" in (tmp_path / "bench_serving_random_vs_peer.md").read_text()
+
+
+def test_profile_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXLM_BENCH_MODELS", str(tmp_path / "models"))
+    bench = load_bench("profile_step")
+    result = bench.main(["--model-size", "tiny", "--dtype", "float32", "--batch-size", "3", "--input-len", "12",
+                         "--steps", "2", "--warmup-steps", "1", "--max-total-tokens", "1024",
+                         "--output-dir", str(tmp_path)])
+    read_result(tmp_path, "profile_step_bs3")
+    assert result["steps"] == 2 and result["phase_ms_mean"]["model forward"] > 0
+    assert 0.0 <= result["outside_model_forward_fraction"] <= 1.0

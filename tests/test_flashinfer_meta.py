@@ -23,8 +23,10 @@ from radixlm.kernels.flashinfer_meta import (
 )
 from radixlm.kernels.paged_attention_ref import paged_attention_ref
 from radixlm.runtime.layers.attention.base import RadixAttention, create_backend
+from radixlm.runtime.mem_cache.kv_manager import write_slots
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.utils import ceil_div
 
 HAS_TORCH_NATIVE = importlib.util.find_spec("radixlm.runtime.layers.attention.torch_native") is not None
 HAS_CUDA_FLASHINFER = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
@@ -41,7 +43,7 @@ def make_batch(lens: list[tuple[int, int]], page_size: int, heads: int, kv_heads
     """
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    need = sum(-(-s // page_size) for _, s in lens)
+    need = sum(ceil_div(s, page_size) for _, s in lens)
     num_pages = 2 * need + 8
     alloc = TokenToKVPoolAllocator(num_pages, page_size)
     kv = KVCache(num_pages, page_size, num_layers, kv_heads, head_dim, dtype, device)
@@ -60,6 +62,7 @@ def make_batch(lens: list[tuple[int, int]], page_size: int, heads: int, kv_heads
     prefix_lens, seq_lens = [p for p, _ in lens], [s for _, s in lens]
     out_loc = alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
     assert out_loc is not None
+    write_slots(table, rows, prefix_lens, seq_lens, out_loc)
     input_ids = [0] * int(out_loc.numel())
     fb = ForwardBatch.build(mode, input_ids, rows, prefix_lens, seq_lens, out_loc, pool, kv, device)
     for buf in kv.k_buffer + kv.v_buffer:
@@ -158,8 +161,8 @@ def test_meta_without_total_pages_hint(page_size: int) -> None:
 
 @pytest.mark.skipif(not HAS_TORCH_NATIVE, reason="torch_native backend not written yet")
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode,case", [(ForwardMode.EXTEND, 1), (ForwardMode.MIXED, 2),
-                                       (ForwardMode.EXTEND, 2), (ForwardMode.DECODE, -1)])
+@pytest.mark.parametrize("mode,case", [(ForwardMode.EXTEND, 1), (ForwardMode.EXTEND, 2),
+                                       (ForwardMode.DECODE, -1)])
 def test_ref_matches_torch_native(page_size: int, mode: ForwardMode, case: int) -> None:
     lens = CASES[case] if case >= 0 else [(s - 1, s) for s in (1, 9, 16, 17, 40, 64)]
     heads, kv_heads, head_dim, scaling = 8, 2, 16, 0.3
@@ -214,7 +217,7 @@ class StandInWrapper:
 
 @pytest.mark.skipif(not HAS_TORCH_NATIVE, reason="torch_native backend not written yet")
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode,case", [(ForwardMode.EXTEND, 1), (ForwardMode.MIXED, 2),
+@pytest.mark.parametrize("mode,case", [(ForwardMode.EXTEND, 1), (ForwardMode.EXTEND, 2),
                                        (ForwardMode.DECODE, -1)])
 def test_flashinfer_backend_glue_with_stand_in(page_size: int, mode: ForwardMode, case: int) -> None:
     from radixlm.runtime.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -265,7 +268,7 @@ def test_flashinfer_backend_refuses_unsupported_shapes(head_dim: int, dtype: tor
 @pytest.mark.skipif(not HAS_CUDA_FLASHINFER, reason="needs CUDA and flashinfer")
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode,case", [(ForwardMode.EXTEND, 1), (ForwardMode.MIXED, 2),
+@pytest.mark.parametrize("mode,case", [(ForwardMode.EXTEND, 1), (ForwardMode.EXTEND, 2),
                                        (ForwardMode.DECODE, -1)])
 def test_flashinfer_matches_torch_native(page_size: int, dtype: torch.dtype, mode: ForwardMode,
                                          case: int) -> None:

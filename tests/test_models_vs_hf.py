@@ -29,6 +29,7 @@ from radixlm.runtime.layers.linear import (
 )
 from radixlm.runtime.layers.rotary import RotaryEmbedding, compute_inv_freq
 from radixlm.runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixlm.runtime.mem_cache.kv_manager import write_slots
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
@@ -58,6 +59,7 @@ class PagedRunner:
         seq_lens = [p + len(ids) for p, ids in zip(prefix_lens, new_ids, strict=True)]
         last_locs = [int(self.pool.req_to_token[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens, strict=True)]
         out_loc = self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
+        write_slots(self.pool.req_to_token, rows, prefix_lens, seq_lens, out_loc)
         mode = ForwardMode.DECODE if all(len(ids) == 1 for ids in new_ids) else ForwardMode.EXTEND
         fb = ForwardBatch.build(mode, [t for ids in new_ids for t in ids], rows, prefix_lens, seq_lens,
                                 out_loc, self.pool, self.kv, "cpu")

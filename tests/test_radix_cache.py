@@ -1,8 +1,10 @@
-"""Tests for RadixCache and ChunkCache.
+"""Tests for RadixCache, ChunkCache and the request-level caching of KVManager.
 
 A hypothesis state machine drives random insert / match / lock / unlock / evict sequences and
 compares the tree against a plain reference model: a dict from every cached page-aligned prefix
-(a tuple of token ids) to the KV slots of its last page (one slot when page_size is 1). Unit tests cover the request-level helpers.
+(a tuple of token ids) to the KV slots of its last page (one slot when page_size is 1). The tree
+never frees: the test frees what `insert` leaves and what `evict` returns, through an allocator
+that fails on a double free. Unit tests cover KVManager's request-level helpers over both caches.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
+from radixlm.runtime.mem_cache.kv_manager import KVManager
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
+from radixlm.runtime.mem_cache.radix_cache import RadixCache
+from radixlm.runtime.mem_cache.tree_node import TreeNode
 
 Prefix = tuple[int, ...]
 PageSlots = tuple[int, ...]
@@ -52,11 +56,24 @@ class CheckingAllocator(TokenToKVPoolAllocator):
         super().free(slots)
 
 
-def make_cache(page_size: int, num_pages: int, rows: int = 4,
-               cls: type = RadixCache) -> tuple[RadixCache, ReqToTokenPool, CheckingAllocator]:
-    pool = ReqToTokenPool(rows, 64, "cpu")
-    allocator = CheckingAllocator(num_pages, page_size)
-    return cls(pool, allocator, page_size), pool, allocator
+def make_cache(page_size: int, num_pages: int) -> tuple[RadixCache, CheckingAllocator]:
+    """A bare tree and an allocator for its slots (the test plays the KV manager)."""
+    return RadixCache(page_size), CheckingAllocator(num_pages, page_size)
+
+
+def make_kv(page_size: int, num_pages: int, rows: int = 4,
+            disable_radix_cache: bool = False) -> tuple[KVManager, ReqToTokenPool, CheckingAllocator]:
+    """A KVManager whose allocator checks every free."""
+    kv = KVManager(num_pages, page_size, rows - 1, 56, "cpu", disable_radix_cache)
+    kv.allocator = CheckingAllocator(num_pages, page_size)
+    return kv, kv.req_to_token_pool, kv.allocator
+
+
+def evict_and_free(cache: RadixCache, allocator: TokenToKVPoolAllocator, n: int) -> int:
+    """What KVManager does to make room: evict, then free what the tree handed back."""
+    slots = cache.evict(n)
+    allocator.free(slots)
+    return len(slots)
 
 
 def tree_contents(cache: RadixCache) -> dict[Prefix, PageSlots]:
@@ -111,7 +128,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache, _, self.allocator = make_cache(self.page_size, self.num_pages)
+        self.cache, self.allocator = make_cache(self.page_size, self.num_pages)
         self.ref: dict[Prefix, PageSlots] = {}
         self.locks: list[tuple[TreeNode, Prefix]] = []
 
@@ -123,7 +140,10 @@ class CacheMachine(RuleBasedStateMachine):
     def _evict_checked(self, n: int) -> int:
         before_evictable = self.cache.evictable_size()
         self.allocator.freed_log.clear()
-        freed = self.cache.evict(n)
+        evicted = self.cache.evict(n)
+        assert evicted.dtype == torch.int64
+        freed = len(evicted)
+        self.allocator.free(evicted)              # the tree hands slots back; it never frees them
         freed_slots = set(self.allocator.freed_log)
         assert len(freed_slots) == len(self.allocator.freed_log) == freed
         removed = {p for p, s in self.ref.items() if freed_slots.issuperset(s)}
@@ -145,8 +165,8 @@ class CacheMachine(RuleBasedStateMachine):
         if slots is None:
             return
         expected = len(ref_match(self.ref, key, self.page_size))
-        already = self.cache.insert(key, slots)
-        assert already == expected
+        already, cached = self.cache.insert(key, slots)
+        assert already == expected and cached == len(key)
         self.allocator.free(slots[:already])        # the caller's duplicates
         P = self.page_size
         for end in range(already + P, len(key) + 1, P):
@@ -227,21 +247,32 @@ TestRadixCachePage4.settings = _machine_settings
 
 # ---------------------------------------------------------------- focused unit tests
 def test_match_splits_node_and_keeps_sizes() -> None:
-    cache, _, allocator = make_cache(1, 16)
+    cache, allocator = make_cache(1, 16)
     cache.insert([1, 2, 3, 4], allocator.alloc(4))
     kv, node = cache.match_prefix([1, 2, 9])
     assert len(kv) == 2 and node.key == [1, 2] and list(node.children.values())[0].key == [3, 4]
     cache.inc_lock_ref(node)
     assert (cache.protected_size(), cache.evictable_size()) == (2, 2)
-    assert cache.evict(10) == 2                       # only the unlocked [3, 4] goes
-    assert cache.total_size() == 2 and cache.evict(10) == 0
+    assert evict_and_free(cache, allocator, 10) == 2  # only the unlocked [3, 4] goes
+    assert cache.total_size() == 2 and evict_and_free(cache, allocator, 10) == 0
     cache.dec_lock_ref(node)
-    assert cache.evict(10) == 2 and cache.total_size() == 0
+    assert evict_and_free(cache, allocator, 10) == 2 and cache.total_size() == 0
     assert allocator.available_size() == allocator.size
 
 
+def test_tree_never_frees() -> None:
+    cache, allocator = make_cache(1, 16)
+    slots = allocator.alloc(4)
+    cache.insert([1, 2, 3, 4], slots)
+    free_before = allocator.available_size()
+    evicted = cache.evict(10)
+    assert sorted(evicted.tolist()) == sorted(slots.tolist())
+    assert allocator.available_size() == free_before and allocator.freed_log == []
+    assert cache.evict(0).numel() == 0
+
+
 def test_page_aligned_match_ignores_partial_pages() -> None:
-    cache, _, allocator = make_cache(4, 8)
+    cache, allocator = make_cache(4, 8)
     slots = allocator.alloc(8)
     cache.insert([5, 5, 5, 5, 6, 6, 6, 6], slots)
     assert cache.match_prefix([5, 5, 5, 5, 6, 6, 6]).kv_indices.tolist() == slots[:4].tolist()
@@ -252,30 +283,30 @@ def test_page_aligned_match_ignores_partial_pages() -> None:
 
 
 def test_evict_is_least_recently_used_first() -> None:
-    cache, _, allocator = make_cache(1, 16)
+    cache, allocator = make_cache(1, 16)
     cache.insert([1, 1], allocator.alloc(2))
     cache.insert([2, 2], allocator.alloc(2))
     cache.insert([3, 3], allocator.alloc(2))
     cache.match_prefix([1, 1])                        # [2, 2] is now the oldest
-    assert cache.evict(1) == 2
+    assert evict_and_free(cache, allocator, 1) == 2
     assert cache.match_prefix([2, 2]).kv_indices.numel() == 0
     assert len(cache.match_prefix([1, 1]).kv_indices) == 2
     assert len(cache.match_prefix([3, 3]).kv_indices) == 2
 
 
 def test_evict_repushes_parent_that_becomes_leaf() -> None:
-    cache, _, allocator = make_cache(1, 16)
+    cache, allocator = make_cache(1, 16)
     cache.insert([1, 2, 3], allocator.alloc(3))
     dup = allocator.alloc(3)
-    assert cache.insert([1, 2, 4], dup) == 2          # splits: [1, 2] -> {[3], [4]}
+    assert cache.insert([1, 2, 4], dup) == (2, 3)     # splits: [1, 2] -> {[3], [4]}
     allocator.free(dup[:2])
-    assert cache.evict(3) == 4                        # two 1-token leaves, then the re-pushed parent
+    assert evict_and_free(cache, allocator, 3) == 4   # two 1-token leaves, then the re-pushed parent
     assert cache.total_size() == 0 and cache.evictable_size() == 0
     assert allocator.available_size() == allocator.size
 
 
 def test_reset_and_pretty_print() -> None:
-    cache, _, allocator = make_cache(1, 16)
+    cache, allocator = make_cache(1, 16)
     cache.insert([1, 2, 3], allocator.alloc(3))
     assert "[1, 2, 3]" in cache.pretty_print()
     cache.reset()
@@ -283,7 +314,7 @@ def test_reset_and_pretty_print() -> None:
     assert cache.all_values().numel() == 0
 
 
-# ---------------------------------------------------------------- request-level helpers
+# ---------------------------------------------------------------- request-level helpers (KVManager)
 @dataclass
 class FakeReq:
     all_ids: list[int]
@@ -293,22 +324,16 @@ class FakeReq:
     last_node: TreeNode | None = None
 
 
-def admit(cache: RadixCache | ChunkCache, pool: ReqToTokenPool, req: FakeReq) -> None:
-    """What the scheduler does on admission: take a row, match and lock the prefix."""
-    req.req_pool_idx = pool.alloc()
-    kv, node = cache.match_prefix(req.all_ids)
-    cache.inc_lock_ref(node)
-    pool.req_to_token[req.req_pool_idx, : len(kv)] = kv.to(torch.int32)
-    req.prefix_indices, req.last_node, req.cached_len = kv, node, len(kv)
+def admit(kv: KVManager, req: FakeReq) -> None:
+    """What the planner does on admission: match and lock the prefix, take a row."""
+    match = kv.match_prefix(req.all_ids)
+    kv.lock(match.last_node)
+    assert kv.admit(req, match)
 
 
-def extend(pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req: FakeReq, upto: int) -> None:
+def extend(kv: KVManager, req: FakeReq, upto: int) -> None:
     """Allocate slots for tokens [cached_len, upto) as a forward pass would."""
-    row = pool.req_to_token[req.req_pool_idx]
-    last = int(row[req.cached_len - 1]) if req.cached_len else 0
-    slots = allocator.alloc_extend([req.cached_len], [upto], [last])
-    assert slots is not None
-    row[req.cached_len: upto] = slots.to(torch.int32)
+    assert kv.alloc_extend([req], [upto - req.cached_len]) is not None
     req.cached_len = upto
 
 
@@ -317,11 +342,11 @@ def owned_pages(pool: ReqToTokenPool, req: FakeReq, page_size: int) -> set[int]:
     return set((row[len(req.prefix_indices): req.cached_len] // page_size).tolist())
 
 
-def assert_no_leak(cache: RadixCache | ChunkCache, allocator: CheckingAllocator,
-                   live: list[tuple[ReqToTokenPool, FakeReq]] = ()) -> None:
+def assert_no_leak(kv: KVManager, live: list[FakeReq] = ()) -> None:
+    allocator, pool = kv.allocator, kv.req_to_token_pool
     P = allocator.page_size
-    tree_pages = set((cache.all_values() // P).tolist())
-    req_pages = [owned_pages(pool, req, P) for pool, req in live]
+    tree_pages = set((kv.prefix_cache.all_values() // P).tolist())
+    req_pages = [owned_pages(pool, req, P) for req in live]
     assert all(not (tree_pages & p) for p in req_pages)
     held = tree_pages.union(*req_pages)
     assert held == allocator.held_pages
@@ -330,105 +355,118 @@ def assert_no_leak(cache: RadixCache | ChunkCache, allocator: CheckingAllocator,
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_finished_reqs_share_prefix(page_size: int) -> None:
-    cache, pool, allocator = make_cache(page_size, 16)
+    kv, pool, allocator = make_kv(page_size, 16)
+    cache = kv.prefix_cache
     a = FakeReq(list(range(10)))
-    admit(cache, pool, a)
-    extend(pool, allocator, a, 10)
+    admit(kv, a)
+    extend(kv, a, 10)
     a_slots = pool.req_to_token[a.req_pool_idx, :10].tolist()
-    cache.cache_finished_req(a)
+    kv.cache_finished_req(a)
     assert (a.req_pool_idx, a.last_node, len(a.prefix_indices)) == (None, None, 0)
-    cache.cache_finished_req(a)                       # a second call (abort after finish) frees nothing
+    kv.cache_finished_req(a)                          # a second call (abort after finish) frees nothing
     assert cache.total_size() == 10 // page_size * page_size
     assert pool.available_size() == pool.size
-    assert_no_leak(cache, allocator)
+    assert_no_leak(kv)
 
     b = FakeReq(list(range(8)) + [99, 98, 97])
-    admit(cache, pool, b)
+    admit(kv, b)
     assert b.prefix_indices.tolist() == a_slots[:8]
+    assert pool.req_to_token[b.req_pool_idx, :8].tolist() == a_slots[:8]
     assert cache.protected_size() == 8
-    extend(pool, allocator, b, 11)
-    assert_no_leak(cache, allocator, [(pool, b)])
-    cache.cache_finished_req(b)
+    extend(kv, b, 11)
+    assert_no_leak(kv, [b])
+    kv.cache_finished_req(b)
     assert cache.protected_size() == 0
     assert cache.total_size() == 10 // page_size * page_size + 3 // page_size * page_size
-    assert_no_leak(cache, allocator)
-    cache.evict(100)
-    assert allocator.available_size() == allocator.size
+    assert_no_leak(kv)
+    assert kv.ensure_free(kv.total_tokens)            # evicts everything
+    assert allocator.available_size() == allocator.size and kv.is_fully_free()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_finished_req_frees_duplicates(page_size: int) -> None:
-    cache, pool, allocator = make_cache(page_size, 32)
+    kv, pool, allocator = make_kv(page_size, 32)
     a, b = FakeReq([7] * 9), FakeReq([7] * 9)
     for req in (a, b):                                # both admitted before either is cached
-        admit(cache, pool, req)
-        extend(pool, allocator, req, 9)
+        admit(kv, req)
+        extend(kv, req, 9)
     a_slots = pool.req_to_token[a.req_pool_idx, :9].tolist()
-    cache.cache_finished_req(a)
-    cache.cache_finished_req(b)                       # b's [0, 8) duplicates a's
-    assert cache.all_values().tolist() == a_slots[: 9 // page_size * page_size]
-    assert_no_leak(cache, allocator)
+    kv.cache_finished_req(a)
+    kv.cache_finished_req(b)                          # b's [0, 8) duplicates a's
+    assert kv.prefix_cache.all_values().tolist() == a_slots[: 9 // page_size * page_size]
+    assert_no_leak(kv)
 
 
 def test_unfinished_req_chunked_prefill_page4() -> None:
-    cache, pool, allocator = make_cache(4, 16)
+    kv, pool, allocator = make_kv(4, 16)
+    cache = kv.prefix_cache
     req = FakeReq(list(range(11)))
-    admit(cache, pool, req)
-    extend(pool, allocator, req, 5)                   # chunk 1: tokens [0, 5)
+    admit(kv, req)
+    extend(kv, req, 5)                                # chunk 1: tokens [0, 5)
     own_first_page = pool.req_to_token[req.req_pool_idx, :4].tolist()
-    cache.cache_unfinished_req(req)
+    kv.cache_unfinished_req(req)
     assert req.prefix_indices.tolist() == own_first_page
     assert cache.protected_size() == 4 and cache.evictable_size() == 0
-    assert_no_leak(cache, allocator, [(pool, req)])   # slot 4's page stays with the request
+    assert_no_leak(kv, [req])                         # slot 4's page stays with the request
 
     other = FakeReq(list(range(8)) + [50])            # computes [4, 8) too and finishes first
-    admit(cache, pool, other)
-    extend(pool, allocator, other, 9)
+    admit(kv, other)
+    extend(kv, other, 9)
     other_slots = pool.req_to_token[other.req_pool_idx, :8].tolist()
-    cache.cache_finished_req(other)
+    kv.cache_finished_req(other)
 
-    extend(pool, allocator, req, 10)                  # chunk 2: tokens [5, 10)
-    cache.cache_unfinished_req(req)                   # its [4, 8) duplicates other's
+    extend(kv, req, 10)                               # chunk 2: tokens [5, 10)
+    kv.cache_unfinished_req(req)                      # its [4, 8) duplicates other's
     assert req.prefix_indices.tolist() == other_slots
     assert pool.req_to_token[req.req_pool_idx, :8].tolist() == other_slots
     assert cache.protected_size() == 8
-    assert_no_leak(cache, allocator, [(pool, req)])
+    assert_no_leak(kv, [req])
 
-    extend(pool, allocator, req, 11)
-    cache.cache_finished_req(req)
+    extend(kv, req, 11)
+    kv.cache_finished_req(req)
     assert cache.protected_size() == 0 and pool.available_size() == pool.size
-    assert_no_leak(cache, allocator)
-    assert cache.evict(100) == 8
+    assert_no_leak(kv)
+    assert evict_and_free(cache, allocator, 100) == 8
     assert allocator.available_size() == allocator.size
 
 
 def test_unfinished_req_page1_keeps_running() -> None:
-    cache, pool, allocator = make_cache(1, 32)
+    kv, pool, allocator = make_kv(1, 32)
+    cache = kv.prefix_cache
     req = FakeReq(list(range(20)))
-    admit(cache, pool, req)
+    admit(kv, req)
     for upto in (6, 12, 20):
-        extend(pool, allocator, req, upto)
-        cache.cache_unfinished_req(req)
+        extend(kv, req, upto)
+        kv.cache_unfinished_req(req)
         assert len(req.prefix_indices) == upto == cache.protected_size()
-        assert cache.evict(100) == 0                  # everything is locked by the request
-    cache.cache_finished_req(req)
+        assert cache.evict(100).numel() == 0          # everything is locked by the request
+    kv.cache_finished_req(req)
     assert cache.evictable_size() == 20
-    assert_no_leak(cache, allocator)
+    assert_no_leak(kv)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_chunk_cache(page_size: int) -> None:
-    cache, pool, allocator = make_cache(page_size, 16, cls=ChunkCache)
+    kv, pool, allocator = make_kv(page_size, 16, disable_radix_cache=True)
+    cache = kv.prefix_cache
+    assert isinstance(cache, ChunkCache)
     req = FakeReq(list(range(11)))
-    admit(cache, pool, req)
+    admit(kv, req)
     assert req.cached_len == 0
-    extend(pool, allocator, req, 6)
-    cache.cache_unfinished_req(req)
-    assert req.prefix_indices.tolist() == pool.req_to_token[req.req_pool_idx, :6].tolist()
-    extend(pool, allocator, req, 11)
-    assert cache.match_prefix(req.all_ids).kv_indices.numel() == 0
-    assert cache.evictable_size() == cache.protected_size() == cache.total_size() == cache.evict(5) == 0
-    cache.cache_finished_req(req)
+    extend(kv, req, 6)
+    own = pool.req_to_token[req.req_pool_idx, :6].tolist()
+    kv.cache_unfinished_req(req)                      # nothing is shared: the slots stay the request's
+    assert pool.req_to_token[req.req_pool_idx, :6].tolist() == own
+    assert req.prefix_indices.numel() == 0 and allocator.freed_log == []
+    assert_no_leak(kv, [req])
+    extend(kv, req, 11)
+    assert pool.req_to_token[req.req_pool_idx, :6].tolist() == own
+    assert kv.match_prefix(req.all_ids).kv_indices.numel() == 0
+    assert cache.evictable_size() == cache.protected_size() == cache.total_size() == 0
+    assert cache.evict(5).numel() == 0
+    row_slots = pool.req_to_token[req.req_pool_idx, :11].tolist()
+    kv.cache_finished_req(req)
     assert (req.req_pool_idx, req.last_node) == (None, None)
+    assert sorted(allocator.freed_log) == sorted(row_slots)   # every slot of the request, once
     assert allocator.available_size() == allocator.size and pool.available_size() == pool.size
     assert not allocator.held_pages

@@ -59,7 +59,7 @@ def test_preemption_keeps_greedy_outputs(llama_path, page_size, total):
     # a small pool and almost no reserved decode room: decoding must run out and retract
     h = _run_workload(llama_path, max_total_tokens=total, page_size=page_size, max_prefill_tokens=256,
                       schedule_conservativeness=0.0)
-    assert h.scheduler.planner.num_retractions > 0
+    assert h.scheduler.planner.stats().num_preemptions > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -191,14 +191,14 @@ def test_late_divergence_miss_is_diagnosed(llama_path, caplog):
         for i in range(4):   # a unique "uuid" in front of a shared system prompt: every request misses
             unique.submit(f"u{i}", [3 + i, 7 + i, 11 + i] + system + [42, 43], max_new_tokens=1)
             unique.run()
-    assert unique.scheduler.planner.miss_diagnosis.count == 3
+    assert unique.scheduler.planner.stats().late_divergence_misses == 3
     assert "late-divergence miss" in caplog.text and "diverges from the cache at token 0" in caplog.text
     shared = SchedulerHarness(llama_path)
     for i in range(4):       # the same system prompt in front: hits, never diagnosed
         shared.submit(f"s{i}", system + [3 + i, 7 + i], max_new_tokens=1)
         shared.run()
-    assert shared.scheduler.planner.miss_diagnosis.count == 0
-    assert shared.scheduler.planner.prefix_hits > 3 * 390
+    assert shared.scheduler.planner.stats().late_divergence_misses == 0
+    assert shared.scheduler.planner.stats().prefix_cache_hits > 3 * 390
 
 
 def test_concurrent_shared_prefix_is_prefilled_once(llama_path):

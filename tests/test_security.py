@@ -144,7 +144,7 @@ def _chat_prompt_tokens(server: ServerProcess, messages: list[dict[str, str]]) -
 
 
 def test_special_token_text_in_chat_is_plain_text(server: ServerProcess, tokenizer) -> None:
-    from radixlm.runtime.entrypoints.chat_template import ChatTemplate, encode_chat
+    from radixlm.runtime.entrypoints.chat_template import JinjaChatTemplate, encode_chat
 
     messages = [{"role": "user", "content": INJECTION}]
     expected = _plain_ids(tokenizer, messages)
@@ -152,7 +152,7 @@ def test_special_token_text_in_chat_is_plain_text(server: ServerProcess, tokeniz
     naive = tokenizer(tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False,
                                                     add_generation_prompt=True), add_special_tokens=False)["input_ids"]
     assert naive.count(IM_START_ID) == 3, "the injected text should be special when tokenized naively"
-    _, ids = encode_chat(ChatTemplate("test", TEMPLATE), tokenizer, messages)
+    _, ids = encode_chat(JinjaChatTemplate("test", TEMPLATE), tokenizer, messages)
     assert ids == expected
     assert _chat_prompt_tokens(server, messages) == len(expected) != len(naive)
     system = [{"role": "system", "content": "<|im_start|>"}, *messages]

@@ -233,3 +233,25 @@ def test_chat_template_registry_and_errors(tokenizer, tmp_path) -> None:
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
         with pytest.raises(ValueError):
             normalize_messages(bad)
+
+
+def test_tools_need_a_template_and_parser_that_handle_them(server: ServerProcess) -> None:
+    """This server has the plain ChatML template and no --tool-call-parser: nothing is dropped silently."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases = [
+        ({"tools": [tool]}, "does not render tools"),
+        ({"tools": [tool], "tool_choice": "required"}, "--tool-call-parser"),
+        ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]}]}, "tool_calls"),
+        ({"messages": MESSAGES + [{"role": "assistant", "content": "x", "reasoning_content": "y"}]},
+         "reasoning_content"),
+    ]
+    for extra, message in cases:
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, **extra}
+        r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (extra, r.text)
+    tool_msg = MESSAGES + [{"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    r = httpx.post(server.url("/v1/chat/completions"), timeout=60,
+                   json={"model": "m", "messages": tool_msg, "max_tokens": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text     # ChatML renders a tool turn as <|im_start|>tool
+    wait_kv_free(server)

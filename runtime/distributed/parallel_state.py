@@ -59,10 +59,6 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
-def get_tp_group() -> dist.ProcessGroup | None:
-    return _TP_GROUP
-
-
 def _needs_fp32_transport(t: torch.Tensor) -> bool:
     # gloo does not reduce half-precision tensors everywhere; widen them for the wire.
     return t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16)

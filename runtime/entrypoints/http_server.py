@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 import radixlm
-from radixlm.runtime.entrypoints.chat_template import ChatTemplate, resolve_chat_template
+from radixlm.runtime.entrypoints.chat_template import JinjaChatTemplate, resolve_chat_template
 from radixlm.runtime.entrypoints.dashboard import add_dashboard_routes
 from radixlm.runtime.entrypoints.errors import (
     APIError,
@@ -48,19 +48,18 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 20.0
-STATE_TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------------- app
 def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: MetricsCollector,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
+               chat_template: JinjaChatTemplate | None = None) -> FastAPI:
     """Builds the FastAPI app around a running TokenizerManager."""
     template = chat_template or resolve_chat_template(server_args.chat_template, tokenizer_manager.tokenizer)
     app = FastAPI(title="radixlm", version=radixlm.__version__)
     app.state.server = ServerState(tokenizer_manager, server_args, metrics,
                                    OpenAIServing(tokenizer_manager, server_args.model_name,
-                                                 server_args.model_path or "", template))
+                                                 server_args.model_path or "", template,
+                                                 server_args.tool_call_parser, server_args.reasoning_parser))
     install_error_handlers(app)
     _add_native_routes(app, app.state.server)
     _add_openai_routes(app, app.state.server.openai)

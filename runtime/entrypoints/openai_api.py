@@ -6,7 +6,9 @@ are reshaped into OpenAI objects by openai_format.py. There is one model: any
 
 Chat prompts are rendered and tokenized here (chat_template.py), so special-token text typed in a
 message stays plain text; the ids go to the TokenizerManager as `input_ids`, which makes
-`usage.prompt_tokens` the exact count the model saw.
+`usage.prompt_tokens` the exact count the model saw. History the model generated is encoded with the
+ids it was generated as (chat_history.py), so agent loops keep their cache hits. Tools, tool_choice
+and reasoning: openai_tools.py; output parsing: runtime/parsers/.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import orjson
 from fastapi import Request
 from starlette.responses import Response
 
-from radixlm.runtime.entrypoints.chat_template import ChatTemplate, encode_chat, normalize_messages
+from radixlm.runtime.entrypoints.chat_history import GeneratedHistory
+from radixlm.runtime.entrypoints.chat_template import (
+    ChatRequestInput,
+    JinjaChatTemplate,
+    encode_chat_prompt,
+    normalize_messages,
+)
 from radixlm.runtime.entrypoints.errors import APIError, raise_if_rejected, to_api_error
 from radixlm.runtime.entrypoints.openai_format import (
     SSEResponse,
@@ -29,10 +37,17 @@ from radixlm.runtime.entrypoints.openai_format import (
     chat_stream,
     completion_choice,
     completion_stream,
+    is_complete,
     usage_of,
 )
 from radixlm.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.entrypoints.openai_tools import (
+    constrain_after_reasoning,
+    output_parser,
+    setup_tools,
+)
 from radixlm.runtime.managers.io_struct import GenerateReqInput
+from radixlm.runtime.parsers import get_reasoning_parser, get_tool_call_parser
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
 MAX_TOP_LOGPROBS = 20
@@ -41,12 +56,17 @@ MAX_TOP_LOGPROBS = 20
 class OpenAIServing:
     """Turns OpenAI requests into TokenizerManager calls. One instance per server."""
 
-    def __init__(self, tokenizer_manager: Any, model_name: str, model_path: str, chat_template: ChatTemplate):
+    def __init__(self, tokenizer_manager: Any, model_name: str, model_path: str, chat_template: JinjaChatTemplate,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.tm = tokenizer_manager
         self.model_name = model_name
         self.model_path = model_path
         self.chat_template = chat_template
         self.created = int(time.time())
+        self.tool_parser = get_tool_call_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.history = GeneratedHistory(tokenizer_manager.tokenizer, int(getattr(tokenizer_manager, "vocab_size", 0)
+                                                                         or len(tokenizer_manager.tokenizer)))
 
     # ------------------------------------------------------------------ models
     def model_card(self) -> dict[str, Any]:
@@ -109,17 +129,15 @@ class OpenAIServing:
     # ------------------------------------------------------------------ chat
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         _refuse_dangerous(req.model_extra or {})
-        if req.tools or req.functions:
-            raise APIError(400, "tools/functions are not supported by this server", param="tools")
         n = _check_n(req.n)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         if top and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        _, input_ids = encode_chat(self.chat_template, self.tm.tokenizer, messages,
-                                   add_generation_prompt=req.add_generation_prompt is not False)
+        tools = setup_tools(req, self.tool_parser, self.reasoning)
+        prompt = encode_chat_prompt(self.chat_template, self.tm.tokenizer, self._chat_input(req, tools.tools))
+        input_ids = self.history.encode(prompt)
         context = self.tm.context_len
         if len(input_ids) >= context:
             raise APIError(400, f"The prompt is {len(input_ids)} tokens long; the context length is {context} "
@@ -127,18 +145,45 @@ class OpenAIServing:
         max_new = _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
         max_new = max_new if max_new is not None else _check_max_tokens(req.max_tokens, "max_tokens")
         params = _sampling_params(req, max_new if max_new is not None else self._room(len(input_ids)), n)
+        constrain_after_reasoning(params, req, self.reasoning)
+        if tools.constraint is not None:
+            params["regex"] = tools.constraint
+        parser = output_parser(tools, self.tool_parser, self.reasoning, req.separate_reasoning is not False)
         obj = _generate_input([input_ids], False, params, req, return_logprob=bool(req.logprobs),
                               logprob_start_len=-1, top=top or 0)
         meta = _ResponseMeta("chatcmpl-", self.model_name, n)
+
+        def remember(item: dict[str, Any]) -> None:
+            if is_complete(item):
+                self.history.record(prompt.text, input_ids, list(item.get("output_ids") or []))
+
         if req.stream:
+            if req.return_token_ids:
+                raise APIError(400, "return_token_ids is not supported with stream", param="return_token_ids")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = await _start(self.tm.generate(obj, raw))
-            return SSEResponse(chat_stream(stream, meta, bool(req.logprobs), include_usage))
+            return SSEResponse(chat_stream(stream, meta, bool(req.logprobs), include_usage, parser, remember))
         items = await self._run(obj, raw)
-        choices = [chat_choice(it, _index(it, k), bool(req.logprobs)) for k, it in enumerate(items)]
-        return _json({"id": meta.id, "object": "chat.completion", "created": meta.created,
-                      "model": self.model_name, "choices": choices, "usage": usage_of(items, n),
-                      "system_fingerprint": None})
+        for it in items:
+            remember(it)
+        choices = [chat_choice(it, _index(it, k), bool(req.logprobs), parser) for k, it in enumerate(items)]
+        body = {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": self.model_name,
+                "choices": choices, "usage": usage_of(items, n), "system_fingerprint": None}
+        if req.return_token_ids:   # vLLM's field: the exact ids the model saw and wrote
+            body["prompt_token_ids"] = input_ids
+            for choice, it in zip(choices, items):
+                choice["token_ids"] = list(it.get("output_ids") or [])
+        return _json(body)
+
+    def _chat_input(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ChatRequestInput:
+        """The template's inputs; ValueError (400) for messages or fields it cannot take."""
+        messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages], self.chat_template)
+        cont = bool(req.continue_final_message)
+        if cont and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+        add_prompt = req.add_generation_prompt is not False and not cont
+        return ChatRequestInput(messages, tools, add_prompt, cont, dict(req.chat_template_kwargs or {}))
 
     async def _run(self, obj: GenerateReqInput, raw: Request) -> list[dict[str, Any]]:
         stream = self.tm.generate(obj, raw)
@@ -206,7 +251,7 @@ def _check_n(n: int | None) -> int:
 
 def _refuse_dangerous(extra: dict[str, Any]) -> None:
     """Unknown fields are ignored, except those whose silent dropping would mislead the client."""
-    for name in ("function_call", "audio", "prediction"):
+    for name in ("audio", "prediction"):
         if extra.get(name):
             raise APIError(400, f"{name} is not supported by this server", param=name)
 

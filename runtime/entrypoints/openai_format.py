@@ -3,8 +3,10 @@
 Input items are what `TokenizerManager.generate` yields: `{"text", "output_ids", "meta_info", "index"?}`
 with cumulative `text` and logprob lists. Streams are turned into deltas per choice index:
 
-    chat:        first chunk {"delta": {"role": "assistant", "content": ""}}, then content deltas,
-                 then exactly one chunk with finish_reason (and matched_stop) per choice;
+    chat:        first chunk {"delta": {"role": "assistant", "content": ""}}, then content deltas
+                 (with an output parser: `reasoning_content` and `tool_calls` deltas too, see
+                 runtime/parsers), then exactly one chunk with finish_reason (and matched_stop) per
+                 choice; finish_reason is "tool_calls" when the choice called a tool;
     completions: text deltas (the echoed prompt first when echo), then one finish chunk per choice;
     both:        an optional usage chunk with `choices: []` (stream_options.include_usage), then
                  `data: [DONE]`. An error after the 200 went out is sent as `data: {"error": ...}`.
@@ -12,7 +14,7 @@ with cumulative `text` and logprob lists. Streams are turned into deltas per cho
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from radixlm.runtime.entrypoints.errors import error_body, to_api_error
+from radixlm.runtime.parsers import ChatOutputParser, ChatStreamState
 
 DONE = b"data: [DONE]\n\n"
 
@@ -105,14 +108,25 @@ def completion_logprobs(entries: list[Any], tops: list[Any], offset: int) -> dic
 
 
 # ---------------------------------------------------------------------- whole responses
-def chat_choice(item: dict[str, Any], index: int, want_logprobs: bool) -> dict[str, Any]:
+def chat_choice(item: dict[str, Any], index: int, want_logprobs: bool,
+                parser: ChatOutputParser | None = None) -> dict[str, Any]:
     meta = item.get("meta_info") or {}
     reason, matched = finish_of(meta)
     logprobs = None
     if want_logprobs:
         logprobs = chat_logprobs(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or [])
-    return {"index": index, "message": {"role": "assistant", "content": item.get("text", "")},
-            "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
+    text = item.get("text", "")
+    message = parser.message(text) if parser is not None else {"role": "assistant", "content": text}
+    if message.get("tool_calls") and reason == "stop":
+        reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+            "matched_stop": matched}
+
+
+def is_complete(item: dict[str, Any]) -> bool:
+    """True for a choice that finished by stop or length (not aborted)."""
+    reason, _ = finish_of(item.get("meta_info") or {})
+    return reason in ("stop", "length")
 
 
 def completion_choice(item: dict[str, Any], index: int, echo: str, want_logprobs: bool) -> dict[str, Any]:
@@ -141,6 +155,7 @@ class _Choice:
     logprob_len: int = 0
     char_offset: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    parsed: ChatStreamState | None = None   # with an output parser
 
 
 def _new_logprobs(st: _Choice, meta: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -167,18 +182,24 @@ def _chat_deltas(st: _Choice, index: int, item: dict[str, Any], want_logprobs: b
         out.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None})
     st.meta = item.get("meta_info") or {}
-    delta = _text_delta(st, item)
+    reason, matched = finish_of(st.meta)
+    if st.parsed is not None:
+        delta = st.parsed.delta(item.get("text", "") or "", final=reason is not None)
+    else:
+        text = _text_delta(st, item)
+        delta = {"content": text} if text else {}
     logprobs = None
     if want_logprobs:
         entries, tops = _new_logprobs(st, st.meta)
         logprobs = chat_logprobs(entries, tops) if entries else None
-    reason, matched = finish_of(st.meta)
     if reason is not None:
         st.finished = True
-        out.append({"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+        if reason == "stop" and st.parsed is not None and st.parsed.called:
+            reason = "tool_calls"
+        out.append({"index": index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": reason, "matched_stop": matched})
     elif delta or logprobs:
-        out.append({"index": index, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": None})
+        out.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
     return out
 
 
@@ -213,10 +234,18 @@ def _completion_deltas(st: _Choice, index: int, item: dict[str, Any], echo: str,
     return []
 
 
-async def chat_stream(stream: AsyncIterator[Any], meta: Any, want_logprobs: bool,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+async def chat_stream(stream: AsyncIterator[Any], meta: Any, want_logprobs: bool, include_usage: bool,
+                      parser: ChatOutputParser | None = None,
+                      on_finished: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[bytes]:
+    """on_finished(item) is called once per choice that completes (stop or length)."""
+
     def deltas(st: _Choice, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
-        return _chat_deltas(st, index, item, want_logprobs)
+        if parser is not None and st.parsed is None:
+            st.parsed = ChatStreamState(parser)
+        out = _chat_deltas(st, index, item, want_logprobs)
+        if st.finished and out and on_finished is not None and is_complete(item):
+            on_finished(item)
+        return out
 
     async for chunk in _stream(stream, meta, "chat.completion.chunk", deltas, include_usage, chat=True):
         yield chunk

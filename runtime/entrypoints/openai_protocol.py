@@ -1,7 +1,7 @@
 """Request bodies of the HTTP API as pydantic models (they also make `/openapi.json` useful).
 
 OpenAI bodies ignore unknown fields (clients send many), except the few whose silent dropping would
-change what the client gets (`tools`, `functions`, `suffix`, `best_of` > n): those are refused in
+change what the client gets (`suffix`, `best_of` > n, `audio`, `prediction`): those are refused in
 openai_api.py. The native `/generate` body forbids unknown fields, so a typo is a 400 naming it.
 Value checks (ranges, token limits) live in SamplingParams and the TokenizerManager, so both
 routes give the same messages.
@@ -81,9 +81,14 @@ class CompletionRequest(_SamplingExtras):
 
 
 class ChatMessage(_Lenient):
+    """Passed to the chat template as sent (extra fields too); see chat_template.normalize_messages."""
+
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None      # assistant
+    tool_call_id: StrictStr | None = None                # tool
+    reasoning_content: StrictStr | None = None           # assistant (reasoning models)
 
 
 class ChatCompletionRequest(_SamplingExtras):
@@ -95,7 +100,13 @@ class ChatCompletionRequest(_SamplingExtras):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = True
+    # vLLM / SGLang extras
     add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: StrictBool | None = True
+    return_token_ids: StrictBool | None = False
 
 
 class GenerateRequest(BaseModel):

@@ -58,10 +58,11 @@ def capacity_report(info: dict[str, Any], context_len: int) -> dict[str, Any]:
 
 
 def format_capacity(cap: dict[str, Any]) -> list[str]:
-    return [f"KV cache: {cap['kv_bytes_per_token']} bytes per token, {cap['max_total_tokens']} tokens "
-            f"({cap['kv_pool_bytes'] / 2**20:.1f} MiB)",
-            f"Context length {cap['context_len']}: at most {cap['max_concurrent_requests_at_context']} "
-            f"concurrent requests at full context (max running requests: {cap['max_running_requests']})"]
+    """The startup capacity report: one line."""
+    return [f"KV cache: {cap['max_total_tokens']} tokens ({cap['kv_pool_bytes'] / 2**20:.1f} MiB, "
+            f"{cap['kv_bytes_per_token']} bytes per token); context length {cap['context_len']}: at most "
+            f"{cap['max_concurrent_requests_at_context']} concurrent requests at full context "
+            f"(max running requests: {cap['max_running_requests']})"]
 
 
 async def health_generate(tm: Any, timeout: float = HEALTH_TIMEOUT_S) -> str | None:

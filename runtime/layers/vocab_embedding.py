@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from radixlm.runtime.utils import ceil_div
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.rows_per_rank = ceil_div(vocab_size, self.tp_size)
         self.vocab_start = self.tp_rank * self.rows_per_rank
         # rows of the real vocab on this rank (the last rank may hold padding)
         self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))

@@ -2,8 +2,9 @@
 
 Token regions of a request (all_ids = origin_input_ids + output_ids):
 
-    [0, len(prefix_indices))   KV owned by the radix tree (locked through last_node)
-    [.., cached_len)           KV written in this request's row of req_to_token
+    [0, len(prefix_indices))   KV owned by the prefix cache (locked through last_node)
+    [.., cached_len)           KV owned by this request; all of [0, cached_len) is in its
+                               req_to_token row (written by the KVManager only)
     [cached_len, seq_len)      no KV yet: the next forward pass computes these
 
 Only `cached_len` and the id lists are stored; every other length is derived.
@@ -49,7 +50,7 @@ class Req:
     cached_tokens: int = 0               # prefix-cache hit at first admission (reported)
     sent_len: int = 0                    # output tokens already sent to the detokenizer
     sent_first: bool = False
-    num_retractions: int = 0
+    num_preemptions: int = 0             # times retracted to free KV (then recomputed)
     forward_passes: int = 0
     jump_forward_tokens: int = 0
     # structured generation
@@ -127,4 +128,4 @@ class Req:
         self.cached_len = 0
         self.prefix_indices = _EMPTY
         self.last_node = None
-        self.num_retractions += 1
+        self.num_preemptions += 1

@@ -9,51 +9,53 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from radixlm.runtime.managers.req import Req
+from radixlm.runtime.mem_cache.base_cache import BasePrefixCache
+from radixlm.runtime.utils import align_down
 
 CACHE_AWARE = ("lpm", "dfs-weight")
 CACHE_AWARE_MAX_QUEUE = 128   # beyond this, matching every waiting prompt costs more than it saves
 
 
-def order_fcfs(waiting: list[Req], tree) -> list[Req]:
+def order_fcfs(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     return sorted(waiting, key=lambda r: r.arrival_time)
 
 
-def order_lof(waiting: list[Req], tree) -> list[Req]:
+def order_lof(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     return sorted(waiting, key=lambda r: (-r.sampling_params.max_new_tokens, r.arrival_time))
 
 
-def order_random(waiting: list[Req], tree) -> list[Req]:
+def order_random(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     out = list(waiting)
     random.shuffle(out)
     return out
 
 
-def order_priority(waiting: list[Req], tree) -> list[Req]:
+def order_priority(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     return sorted(waiting, key=lambda r: (-r.priority, r.arrival_time))
 
 
-def order_lpm(waiting: list[Req], tree) -> list[Req]:
+def order_lpm(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     """Longest cached prefix first."""
-    hit = {id(r): len(tree.match_prefix(r.all_ids[: r.max_prefix_for_match()]).kv_indices) for r in waiting}
+    hit = {id(r): len(prefix_cache.match_prefix(r.all_ids[: r.max_prefix_for_match()]).kv_indices) for r in waiting}
     return sorted(waiting, key=lambda r: (-hit[id(r)], r.arrival_time))
 
 
-def order_dfs_weight(waiting: list[Req], tree) -> list[Req]:
+def order_dfs_weight(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     """Depth-first over the tree, heavier subtrees (more waiting requests) first, so requests that
     share a prefix run back to back while it is still cached."""
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     for r in sorted(waiting, key=lambda r: r.arrival_time):
-        node = tree.match_prefix(r.all_ids[: r.max_prefix_for_match()]).last_node
+        node = prefix_cache.match_prefix(r.all_ids[: r.max_prefix_for_match()]).last_node
         at_node[id(node)].append(r)
         while node is not None:
             weight[id(node)] += 1
             node = node.parent
     out: list[Req] = []
-    stack = [tree.root]
+    stack = [prefix_cache.root]
     while stack:
         node = stack.pop()
         out.extend(at_node.get(id(node), []))
@@ -62,16 +64,17 @@ def order_dfs_weight(waiting: list[Req], tree) -> list[Req]:
     return out
 
 
-POLICIES: dict[str, Callable[[list[Req], object], list[Req]]] = {
+POLICIES: dict[str, Callable[[list[Req], BasePrefixCache], list[Req]]] = {
     "fcfs": order_fcfs, "lof": order_lof, "random": order_random, "priority": order_priority,
     "lpm": order_lpm, "dfs-weight": order_dfs_weight,
 }
 
 
-def order_waiting(policy: str, waiting: list[Req], tree, radix_enabled: bool) -> list[Req]:
+def order_waiting(policy: str, waiting: list[Req], prefix_cache: BasePrefixCache, radix_enabled: bool) -> list[Req]:
+    """`waiting` in the order admission should try; does not modify the queue or lock the cache."""
     if policy in CACHE_AWARE and (not radix_enabled or len(waiting) > CACHE_AWARE_MAX_QUEUE):
         policy = "fcfs"
-    return POLICIES[policy](waiting, tree)
+    return POLICIES[policy](waiting, prefix_cache)
 
 
 @dataclass
@@ -89,22 +92,24 @@ class PrefillBudget:
     chunk_tokens: int | None
     rem_reqs: int
     page_size: int = 1
-    taken: list[tuple[Req, int]] = field(default_factory=list)
 
-    def take(self, req: Req, extend_len: int, reserve_decode: int) -> int:
-        """Returns how many of the request's `extend_len` tokens fit (0: none, stop admitting)."""
+    def take(self, extend_len: int, reserve_decode: int) -> int:
+        """Takes room for up to `extend_len` new tokens of one request plus, when they complete its
+        prefill, `reserve_decode` tokens of decode growth (and one page of slack).
+
+        Returns how many tokens fit (0: none, stop admitting) and charges the budgets for them.
+        """
         if self.rem_reqs <= 0 or self.rem_input_tokens <= 0:
             return 0
         n = min(extend_len, self.rem_input_tokens)
         if self.chunk_tokens:
             n = min(n, self.chunk_tokens)
         if n < extend_len:   # a chunk ends on a page boundary so the tree can cache it
-            n = n // self.page_size * self.page_size
+            n = align_down(n, self.page_size)
         need = n + self.page_size + (reserve_decode if n == extend_len else 0)
         if n <= 0 or need > self.rem_total_tokens:
             return 0
         self.rem_total_tokens -= need
         self.rem_input_tokens -= n
         self.rem_reqs -= 1
-        self.taken.append((req, n))
         return n

@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 
+from radixlm.runtime.managers.batch_log import BatchLog
 from radixlm.runtime.managers.batch_planner import BatchPlanner, StepBatch
 from radixlm.runtime.managers.grammar_queue import GrammarQueue
 from radixlm.runtime.managers.io_struct import (
@@ -33,6 +34,7 @@ from radixlm.runtime.managers.io_struct import (
 )
 from radixlm.runtime.managers.output_processor import OutputProcessor
 from radixlm.runtime.managers.req import Req
+from radixlm.runtime.mem_cache.kv_manager import KVManager
 from radixlm.runtime.model_executor.forward_batch import ForwardMode
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
@@ -47,16 +49,17 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
         self.args = server_args
         self.tp_rank, self.dp_rank = tp_rank, dp_rank
-        self.runner = ModelRunner(server_args, tp_rank)
-        r = self.runner
-        self.tree = _make_tree(server_args, r)
-        self.planner = BatchPlanner(server_args, self.tree, r.req_to_token_pool, r.allocator, r.max_running_requests)
+        self.runner = runner = ModelRunner(server_args, tp_rank)
+        self.kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
+                            runner.device, server_args.disable_radix_cache)
+        self.prefix_cache = self.kv.prefix_cache
+        self.planner = BatchPlanner(server_args, self.kv, runner.max_running_requests)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
-        cfg = r.model_config
-        self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids, cfg.vocab_size, r.context_len,
-                                      r.device, jump_forward=not server_args.disable_jump_forward)
+        cfg = runner.model_config
+        self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids, cfg.vocab_size, runner.context_len,
+                                      runner.device, jump_forward=not server_args.disable_jump_forward)
         self.grammar = GrammarQueue(server_args, self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -64,6 +67,7 @@ class Scheduler:
         self.gen_tokens = deque(maxlen=64)     # (time, tokens) per step, for throughput
         self.generated_tokens = 0
         self.last_stats = 0.0
+        self.log = BatchLog(server_args.decode_log_interval)
 
     # --------------------------------------------------------------- loop
     def has_work(self) -> bool:
@@ -73,27 +77,27 @@ class Scheduler:
         """One scheduling step: abort/timeout housekeeping, plan, forward, process."""
         self._handle_aborts()
         self.waiting.extend(self.grammar.pop_ready(self._finish_early))
-        batch, _ = self.planner.plan(self.running, self.waiting)
+        batch = self.planner.plan(self.running, self.waiting)
         if batch.reqs:
             self._run_batch(batch)
         self._flush_outputs()
 
     def _run_batch(self, batch: StepBatch) -> None:
-        r = self.runner
+        self.log.batch(self, batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         ids: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             ids.extend(req.token_slice(req.cached_len, req.cached_len + n))
         rows = [req.req_pool_idx for req in batch.reqs]
-        ends = [req.cached_len + n for req, n in zip(batch.reqs, batch.extend_lens)]
-        fb = r.make_forward_batch(mode, ids, rows, batch.prefix_lens, ends, batch.out_cache_loc)
+        fb = self.runner.make_forward_batch(mode, ids, rows, batch.prefix_lens, batch.seq_lens,
+                                            batch.out_cache_loc, self.kv.req_to_token_pool)
         lp_rows, spans = self.output.logprob_rows(batch)
-        logits = r.forward(fb, lp_rows)
+        logits = self.runner.forward(fb, lp_rows)
         self._process(batch, logits, spans)
 
     def _process(self, batch: StepBatch, logits, spans) -> None:
         out = self.output
-        if spans or any(r.wants_input_logprobs for r in batch.reqs):
+        if spans or any(req.wants_input_logprobs for req in batch.reqs):
             out.record_input_logprobs(spans, logits.extra_logits, batch)
         to_sample: list[tuple[int, Req]] = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
@@ -101,19 +105,19 @@ class Scheduler:
             req.cached_len += n
             req.forward_passes += 1
             if req.cached_len < req.seq_len:           # mid-chunk: cache what exists so far
-                self.tree.cache_unfinished_req(req)
+                self.kv.cache_unfinished_req(req)
                 continue
             if req.wants_input_logprobs:
                 req.input_logprobs_done = True
             if was_prefill:
-                self.tree.cache_unfinished_req(req)
+                self.kv.cache_unfinished_req(req)
             if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
                 continue
             to_sample.append((i, req))
         if to_sample:
             idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
-            reqs = [r for _, r in to_sample]
+            reqs = [req for _, req in to_sample]
             for req, tid in zip(reqs, out.sample(reqs, logits.next_token_logits[idx])):
                 out.append_token(req, tid)
             self.gen_tokens.append((time.monotonic(), len(reqs)))
@@ -126,7 +130,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.req_pool_idx is not None:
-            self.tree.cache_finished_req(req)
+            self.kv.cache_finished_req(req)
         self.outbox.append(self.output.make_output(req))
 
     def _flush_outputs(self) -> None:
@@ -186,50 +190,46 @@ class Scheduler:
     def _flush_cache(self) -> FlushCacheOut:
         if self.has_work():
             return FlushCacheOut(False, "Cannot flush the cache while requests are running or waiting")
-        self.tree.reset()
-        self.runner.allocator.clear()
-        self.runner.req_to_token_pool.clear()
+        self.kv.flush()
         return FlushCacheOut(True, "Cache flushed")
 
     # ------------------------------------------------------------- stats
-    def stats(self) -> SchedulerStats:
-        alloc = self.runner.allocator
-        evictable = self.tree.evictable_size()
-        used = alloc.size - alloc.available_size() - evictable
+    def gen_throughput(self) -> float:
+        """Generated tokens per second over the last 5 s of steps."""
         window = [(t, n) for t, n in self.gen_tokens if t > time.monotonic() - 5]
         span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
-        tput = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+        return sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+
+    def stats(self) -> SchedulerStats:
+        kv, planned = self.kv, self.planner.stats()
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            num_grammar_queue_reqs=len(self.grammar.pending), kv_used_tokens=used,
-            kv_evictable_tokens=evictable, max_total_tokens=alloc.size,
-            num_preemptions=self.planner.num_retractions, prefix_cache_queries=self.planner.prefix_queries,
-            prefix_cache_hits=self.planner.prefix_hits,
-            late_divergence_misses=self.planner.miss_diagnosis.count, generated_tokens=self.generated_tokens,
-            gen_throughput=tput, dp_rank=self.dp_rank)
+            num_grammar_queue_reqs=len(self.grammar.pending), kv_used_tokens=kv.used_tokens(),
+            kv_evictable_tokens=kv.evictable_tokens(), max_total_tokens=kv.total_tokens,
+            num_preemptions=planned.num_preemptions, prefix_cache_queries=planned.prefix_cache_queries,
+            prefix_cache_hits=planned.prefix_cache_hits, late_divergence_misses=planned.late_divergence_misses,
+            generated_tokens=self.generated_tokens, gen_throughput=self.gen_throughput(), dp_rank=self.dp_rank)
 
     def internal_state(self) -> dict:
-        alloc, pool = self.runner.allocator, self.runner.req_to_token_pool
-        free, evictable = alloc.available_size(), self.tree.evictable_size()
+        kv, planned, pool = self.kv, self.planner.stats(), self.kv.req_to_token_pool
         return {
-            "kv_total_tokens": alloc.size, "kv_free_tokens": free, "kv_evictable_tokens": evictable,
-            "kv_protected_tokens": self.tree.protected_size(),
-            "kv_fully_free": free + evictable == alloc.size and not self.has_work(),
+            "kv_total_tokens": kv.total_tokens, "kv_free_tokens": kv.free_tokens(),
+            "kv_evictable_tokens": kv.evictable_tokens(), "kv_protected_tokens": kv.protected_tokens(),
+            "kv_fully_free": kv.is_fully_free() and not self.has_work(),
             "req_rows_total": pool.size, "req_rows_free": pool.available_size(),
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-            "kv_request_tokens": sum(r.cached_len for r in self.running),   # tokens with KV (paging-waste baseline)
-            "num_retractions": self.planner.num_retractions, "radix_tree_tokens": self.tree.total_size(),
-            "prefix_cache_queries": self.planner.prefix_queries, "prefix_cache_hits": self.planner.prefix_hits,
-            "late_divergence_misses": self.planner.miss_diagnosis.count,
-            "last_divergence_position": self.planner.miss_diagnosis.last_position,
+            "kv_request_tokens": sum(req.cached_len for req in self.running),   # paging-waste baseline
+            "num_preemptions": planned.num_preemptions,
+            "num_retractions": planned.num_preemptions,          # older name of the same count
+            "radix_tree_tokens": self.prefix_cache.total_size(),
+            "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,
+            "late_divergence_misses": planned.late_divergence_misses,
+            "last_divergence_position": planned.last_divergence_position,
             **self.runner.info(),
         }
 
     def check_idle_invariants(self) -> None:
-        alloc = self.runner.allocator
-        ok = alloc.available_size() + self.tree.evictable_size() == alloc.size
-        ok = ok and self.runner.req_to_token_pool.available_size() == self.runner.req_to_token_pool.size
-        if not ok:
+        if not self.kv.is_fully_free():
             msg = f"KV leak at idle: {self.internal_state()}"
             if self.args.debug_check_kv:
                 raise AssertionError(msg)
@@ -237,16 +237,6 @@ class Scheduler:
 
     def send(self, msg) -> None:     # replaced by the process wiring (rank 0 only sends)
         pass
-
-
-def _make_tree(args: ServerArgs, runner: ModelRunner):
-    if args.disable_radix_cache:
-        from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
-
-        return ChunkCache(runner.req_to_token_pool, runner.allocator, runner.page_size)
-    from radixlm.runtime.mem_cache.radix_cache import RadixCache
-
-    return RadixCache(runner.req_to_token_pool, runner.allocator, runner.page_size)
 
 
 def set_torch_threads() -> None:

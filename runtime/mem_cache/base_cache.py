@@ -1,24 +1,27 @@
-"""The prefix-cache interface the scheduler talks to, implemented by RadixCache and ChunkCache.
+"""The prefix-cache interface, implemented by RadixCache and ChunkCache (radix cache disabled).
 
-Ownership of KV slots, in one place:
+A prefix cache maps token-id prefixes to KV slots. It never allocates or frees slots and never
+touches the req->token table: `KVManager` does both. What the cache promises:
 
-- A slot is owned either by the cache (it sits in the tree) or by one request (it sits in that
-  request's `req_to_token` row at or after `len(req.prefix_indices)`), or it is free in the allocator.
-- A request that matched a prefix holds a lock on `req.last_node`; while it holds it, the slots of
-  `req.prefix_indices` cannot be evicted. The request must not free them itself.
-- `cache_finished_req` / `cache_unfinished_req` hand a request's slots over to the cache, free the
-  duplicates, and move or drop the lock. After `cache_finished_req` the request owns nothing.
+- Ownership. `insert` hands slots to the cache; `evict` hands them back (the caller frees them).
+  A slot is never held by the cache and free in the allocator at once.
+- Locking. `inc_lock_ref(node)` protects `node` and all its ancestors from `evict` until the
+  matching `dec_lock_ref(node)`. Locks nest (they are counts).
+- Validity. The indices returned by `match_prefix` stay valid while their `last_node` is locked;
+  unlocked, they are valid only until the next `evict` or `reset`.
+
+Only the scheduler loop touches a cache (not thread-safe).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
-    from radixlm.runtime.mem_cache.radix_cache import TreeNode
+    from radixlm.runtime.mem_cache.tree_node import TreeNode
 
 
 class MatchResult(NamedTuple):
@@ -32,27 +35,37 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
-class CacheReq(Protocol):
-    """The attributes of a scheduler request that the caches read and write."""
+class InsertResult(NamedTuple):
+    """Result of `insert(key, value)`.
 
-    req_pool_idx: int | None       # row in req_to_token_pool.req_to_token
-    all_ids: list[int]             # prompt + output token ids
-    cached_len: int                # tokens at the front of the row whose KV slots are held
-    prefix_indices: torch.Tensor   # slots of the tree-owned prefix (len == prefix length)
-    last_node: TreeNode | None     # node this request has locked
+    `prefix_len`: leading tokens the cache already held; `value[:prefix_len]` stay with the caller
+    (duplicates to free). `cached_len`: leading tokens the cache holds after the call; the cache took
+    `value[prefix_len:cached_len]`, and `value[cached_len:]` stay with the caller.
+    """
+
+    prefix_len: int
+    cached_len: int
 
 
 class BasePrefixCache(ABC):
-    """Maps token-id prefixes to KV slots. Only the scheduler loop touches it (not thread-safe)."""
+    """Maps token-id prefixes to KV slots; see the module docstring for the contract."""
 
     page_size: int
+    root: TreeNode
 
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of `key` (page-aligned). Does not lock.
+        """Longest cached page-aligned prefix of `key`. Does not lock.
 
-        May split a tree node and refreshes LRU times, but never frees or moves slots. The returned
-        indices stay valid only while `last_node` is locked (or until the next `evict`/`reset`).
+        May split a tree node and refreshes LRU times, but never takes, frees or moves slots.
+        """
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:
+        """Offer `value[i]` as the slot of `key[:i+1]` (`len(key)` a multiple of `page_size`).
+
+        Never frees: the caller frees what the result says the cache did not take. New nodes are
+        unlocked (evictable).
         """
 
     @abstractmethod
@@ -64,25 +77,12 @@ class BasePrefixCache(ABC):
         """Undo one `inc_lock_ref(node)`. None is a no-op."""
 
     @abstractmethod
-    def cache_finished_req(self, req: CacheReq) -> None:
-        """The request is done (finished, aborted or retracted): give its KV to the cache, free the rest.
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Remove at least `num_tokens` unlocked cached tokens (fewer if fewer are evictable).
 
-        Frees the request's row and unlocks `req.last_node`. Afterwards the request owns no slot and
-        no row: `req_pool_idx` and `last_node` are None, `prefix_indices` is empty. Calling it again,
-        or on a request that never got a row, frees nothing (it only drops a lock still held).
+        Returns the removed int64 slots, which now belong to the caller (it must free them).
+        Locked nodes are never evicted; `evict(0)` does nothing.
         """
-
-    @abstractmethod
-    def cache_unfinished_req(self, req: CacheReq) -> None:
-        """The request keeps running (chunked prefill): share its KV so far and keep it locked.
-
-        Rewrites the front of the request's row to the cache's slots and updates
-        `req.prefix_indices` / `req.last_node`. Slots past the new prefix stay owned by the request.
-        """
-
-    @abstractmethod
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` unlocked cached tokens if possible; returns how many were freed."""
 
     @abstractmethod
     def evictable_size(self) -> int:
@@ -102,7 +102,7 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Forget everything without freeing slots; the caller clears the pools alongside."""
+        """Forget everything without returning slots; the caller clears the allocator alongside."""
 
     @abstractmethod
     def pretty_print(self) -> str:

@@ -14,9 +14,22 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.utils import align_up, ceil_div
+
+
+def new_slots_needed(prefix_len: int, seq_len: int, page_size: int) -> int:
+    """Fresh slots (whole pages) that tokens [prefix_len, seq_len) of one request take.
+
+    Tokens up to the end of prefix_len's page continue that page; the rest need new pages.
+    """
+    return (ceil_div(seq_len, page_size) - ceil_div(prefix_len, page_size)) * page_size
+
 
 class ReqToTokenPool:
-    """Rows of an int32 table `[size, context_len]`; a running request holds one row."""
+    """Rows of an int32 table `[size, context_len]`; a running request holds one row.
+
+    Only `KVManager` writes the table; attention backends read it through the forward batch.
+    """
 
     def __init__(self, size: int, context_len: int, device: str | torch.device):
         self.size = size
@@ -40,7 +53,7 @@ class ReqToTokenPool:
 class TokenToKVPoolAllocator:
     """Hands out KV slots in whole pages. `free` takes slot indices and returns their pages.
 
-    Not thread-safe; only the scheduler loop touches it.
+    Not thread-safe; only `KVManager` (in the scheduler loop) calls it.
     """
 
     def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu"):
@@ -59,8 +72,7 @@ class TokenToKVPoolAllocator:
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` fresh tokens starting on a page boundary (None if out of memory)."""
-        need = -(-num_tokens // self.page_size)
-        pages = self._take_pages(need)
+        pages = self._take_pages(ceil_div(num_tokens, self.page_size))
         if pages is None:
             return None
         return self._page_slots(pages)[:num_tokens]
@@ -75,17 +87,18 @@ class TokenToKVPoolAllocator:
         P = self.page_size
         if P == 1:
             return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
-        new_pages = sum(-(-s // P) - -(-p // P) for p, s in zip(prefix_lens, seq_lens))
+        new_pages = sum(new_slots_needed(p, s, P) for p, s in zip(prefix_lens, seq_lens)) // P
         pages = self._take_pages(new_pages)
         if pages is None:
             return None
         out, cursor = [], 0
         for p, s, last in zip(prefix_lens, seq_lens, last_locs):
-            # region [p, min(s, ceil(p/P)*P)) continues the partially filled page of `last`
-            fill_end = min(s, -(-p // P) * P)
+            # region [p, fill_end)    continues the partially filled page of `last`
+            #        [fill_end, s)    fresh pages, in order
+            fill_end = min(s, align_up(p, P))
             if fill_end > p:
                 out.append(torch.arange(last + 1, last + 1 + fill_end - p, dtype=torch.int64))
-            n_new = -(-s // P) - -(-p // P)
+            n_new = new_slots_needed(p, s, P) // P
             if n_new:
                 slots = self._page_slots(pages[cursor:cursor + n_new])
                 out.append(slots[: s - fill_end])

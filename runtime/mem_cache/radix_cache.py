@@ -12,50 +12,21 @@ node never has a locked descendant and eviction only has to look at unlocked lea
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Iterator
 
 import torch
 
-from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, CacheReq, MatchResult
-from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-
-_access_clock = itertools.count()   # monotonic, deterministic LRU timestamps
-
-
-class TreeNode:
-    """One edge of the radix tree. The root has an empty key and is never evicted."""
-
-    _ids = itertools.count()
-
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None):
-        self.id = next(TreeNode._ids)
-        self.key = key                       # token ids on this edge
-        self.value = value                   # int64 KV slots, len(value) == len(key)
-        self.parent = parent
-        self.children: dict[int | tuple[int, ...], TreeNode] = {}
-        self.lock_ref = 0                    # number of requests holding this node or a descendant
-        self.last_access = next(_access_clock)
-
-    def touch(self) -> None:
-        self.last_access = next(_access_clock)
-
-    def __lt__(self, other: TreeNode) -> bool:       # heap order: least recently used first
-        return (self.last_access, self.id) < (other.last_access, other.id)
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, InsertResult, MatchResult
+from radixlm.runtime.mem_cache.tree_node import TreeNode
+from radixlm.runtime.utils import align_down
 
 
 class RadixCache(BasePrefixCache):
     """Prefix cache over paged KV. See `BasePrefixCache` for the ownership and locking contract."""
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool,
-                 token_to_kv_pool_allocator: TokenToKVPoolAllocator, page_size: int):
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+    def __init__(self, page_size: int, device: str | torch.device = "cpu"):
         self.page_size = page_size
-        self.device = req_to_token_pool.req_to_token.device
+        self.device = device
         self.reset()
 
     def reset(self) -> None:
@@ -71,7 +42,7 @@ class RadixCache(BasePrefixCache):
         Refreshes the access time of every node on the matched path. Does not lock: the returned
         indices are valid only while `last_node` is locked (or until the next `evict`/`reset`).
         """
-        key = list(key[: len(key) // self.page_size * self.page_size])
+        key = list(key[: align_down(len(key), self.page_size)])
         node, values = self.root, []
         node.touch()
         while key:
@@ -89,11 +60,11 @@ class RadixCache(BasePrefixCache):
         kv_indices = torch.cat(values) if values else self._empty()
         return MatchResult(kv_indices, node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Cache `value[i]` as the slot of `key[:i+1]`; returns how many leading tokens were already cached.
+    def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:
+        """Cache `value[i]` as the slot of `key[:i+1]`; the whole key is cached afterwards.
 
-        `len(key)` must be a multiple of `page_size`. Slots `value[:returned_len]` are duplicates that
-        the tree does not take: the caller frees those it owns. `value[returned_len:]` now belong to the
+        `len(key)` must be a multiple of `page_size`. Slots `value[:prefix_len]` are duplicates that
+        the tree does not take: the caller frees those it owns. `value[prefix_len:]` now belong to the
         tree (in new, unlocked, evictable nodes). Splits a node when `key` ends inside it.
         """
         assert len(key) % self.page_size == 0, "insert needs a page-aligned key"
@@ -112,7 +83,7 @@ class RadixCache(BasePrefixCache):
             if n < len(child.key):
                 child = self._split(child, n)
             node, done = child, done + n
-        return done
+        return InsertResult(done, len(key))
 
     # ----------------------------------------------------------- locking
     def inc_lock_ref(self, node: TreeNode | None) -> None:
@@ -135,76 +106,24 @@ class RadixCache(BasePrefixCache):
             node = node.parent
 
     # ----------------------------------------------------------- eviction
-    def evict(self, num_tokens: int) -> int:
-        """Evict least-recently-used unlocked leaves until `num_tokens` are freed or none are left.
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Remove least-recently-used unlocked leaves until `num_tokens` are out or none are left.
 
-        Frees the evicted slots through the allocator and returns how many tokens were freed. A parent
-        whose last child goes, and which is unlocked, becomes a candidate itself.
+        Returns the removed slots (the caller frees them). A parent whose last child goes, and which
+        is unlocked, becomes a candidate itself.
         """
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
+        evicted: list[torch.Tensor] = []
+        count = 0
+        while count < num_tokens and heap:
             leaf = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free(leaf.value)
-            freed += len(leaf.key)
+            evicted.append(leaf.value)
+            count += len(leaf.key)
             parent = self._remove_leaf(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
-        return freed
-
-    # ----------------------------------------------------------- request-level helpers
-    def cache_finished_req(self, req: CacheReq) -> None:
-        """Insert the request's KV into the tree, free its duplicates, tail, lock and row.
-
-        Region table of the request's row, P = page_size:
-          [0, prefix_len)             tree-owned prefix (req.prefix_indices), locked by req.last_node
-          [prefix_len, already_len)   request's copies of tokens the tree already had   -> freed
-          [already_len, aligned_len)  new to the tree                                    -> tree
-          [aligned_len, cached_len)   partial last page, not cacheable                   -> freed
-        Idempotent: a request without a row (never admitted, or already cached) only drops its lock.
-        """
-        row, cached_len = req.req_pool_idx, req.cached_len
-        if row is not None:
-            self._insert_and_free_row(req, row, cached_len)
-        self.dec_lock_ref(req.last_node)
-        req.req_pool_idx = None
-        req.last_node = None
-        req.prefix_indices = self._empty()
-
-    def _insert_and_free_row(self, req: CacheReq, row: int, cached_len: int) -> None:
-        """The row part of `cache_finished_req` (region table above); leaves the lock alone."""
-        slots = self.req_to_token_pool.req_to_token[row, :cached_len].to(torch.int64)
-        aligned_len = cached_len // self.page_size * self.page_size
-        prefix_len = len(req.prefix_indices)
-        already_len = self.insert(req.all_ids[:aligned_len], slots[:aligned_len])
-        self.token_to_kv_pool_allocator.free(slots[prefix_len:already_len])
-        self.token_to_kv_pool_allocator.free(slots[aligned_len:])
-        self.req_to_token_pool.free(row)
-
-    def cache_unfinished_req(self, req: CacheReq) -> None:
-        """Insert the request's KV so far, free duplicates, and re-lock the request on the longer prefix.
-
-        Same region table as `cache_finished_req`, except that [aligned_len, cached_len) stays owned
-        by the request and the row's [0, aligned_len) is rewritten to the tree's slots.
-        """
-        row, cached_len = req.req_pool_idx, req.cached_len
-        assert row is not None, "cache_unfinished_req on a request without a row"
-        req_to_token = self.req_to_token_pool.req_to_token
-        slots = req_to_token[row, :cached_len].to(torch.int64)
-        aligned_len = cached_len // self.page_size * self.page_size
-        prefix_len = len(req.prefix_indices)
-        key = req.all_ids[:aligned_len]
-        already_len = self.insert(key, slots[:aligned_len])
-        self.token_to_kv_pool_allocator.free(slots[prefix_len:already_len])
-
-        new_indices, new_node = self.match_prefix(key)
-        assert len(new_indices) == aligned_len, "just-inserted prefix did not match in full"
-        req_to_token[row, :aligned_len] = new_indices.to(req_to_token.dtype)
-        self.inc_lock_ref(new_node)          # lock the new path before unlocking the old one
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices = new_indices
-        req.last_node = new_node
+        return torch.cat(evicted) if evicted else self._empty()
 
     # ----------------------------------------------------------- sizes and debugging
     def evictable_size(self) -> int:

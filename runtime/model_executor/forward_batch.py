@@ -5,13 +5,14 @@ Per request i (all lengths in tokens):
     [0, prefix_len)          KV already in the pool (radix hit, earlier chunk, or earlier decode)
     [prefix_len, seq_len)    this pass computes these tokens (extend_len = seq_len - prefix_len)
 
-DECODE is the special case extend_len == 1 for every request. MIXED (chunked prefill alongside
-decodes) runs through the extend path: a decode is an extend of length one.
+DECODE is the special case extend_len == 1 for every request. A batch that mixes decodes with
+prefill chunks is an EXTEND: a decode is an extend of length one. The KV manager has already
+written each request's slots for [prefix_len, seq_len) into its req_to_token row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -24,15 +25,10 @@ if TYPE_CHECKING:
 class ForwardMode(IntEnum):
     EXTEND = 1
     DECODE = 2
-    MIXED = 3
 
     @property
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
-
-    @property
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
 
 @dataclass
@@ -48,9 +44,6 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     req_to_token_pool: ReqToTokenPool
     kv_cache: KVCache
-    # Logprob requests: per request, the first extend position whose input logprob is wanted
-    # (relative to prefix_len), or None for none. Only meaningful for extend passes.
-    logprob_start_lens: list[int | None] = field(default_factory=list)
     attn_backend: object = None      # the model runner's AttentionBackend
     attn_metadata: object = None     # set by the attention backend's init_forward_metadata
 
@@ -69,21 +62,14 @@ class ForwardBatch:
     @staticmethod
     def build(mode: ForwardMode, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
               seq_lens: list[int], out_cache_loc: torch.Tensor, req_to_token_pool: ReqToTokenPool,
-              kv_cache: KVCache, device: torch.device | str,
-              logprob_start_lens: list[int | None] | None = None) -> ForwardBatch:
-        """Builds the tensors and writes `out_cache_loc` into each request's table row."""
+              kv_cache: KVCache, device: torch.device | str) -> ForwardBatch:
+        """Builds the tensors. Reads nothing from the table and writes nothing anywhere."""
         positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
-        out_cache_loc = out_cache_loc.to(torch.int64)
-        table = req_to_token_pool.req_to_token
-        offset = 0
-        for row, p, s in zip(req_rows, prefix_lens, seq_lens):
-            table[row, p:s] = out_cache_loc[offset: offset + s - p].to(table.dtype)
-            offset += s - p
         return ForwardBatch(
             forward_mode=mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions.to(device),
-            out_cache_loc=out_cache_loc.to(device),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
             req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
@@ -91,5 +77,4 @@ class ForwardBatch:
             prefix_lens_cpu=list(prefix_lens),
             req_to_token_pool=req_to_token_pool,
             kv_cache=kv_cache,
-            logprob_start_lens=list(logprob_start_lens) if logprob_start_lens else [None] * len(seq_lens),
         )

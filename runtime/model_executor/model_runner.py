@@ -1,11 +1,12 @@
-"""ModelRunner: owns the model weights, the KV memory and the attention backend of one TP rank.
+"""ModelRunner: owns the model weights, the K/V buffers and the attention backend of one TP rank.
 
     runner = ModelRunner(server_args)
-    fb = runner.make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc)
+    fb = runner.make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc,
+                                   req_to_token_pool)
     out = runner.forward(fb, extra_logit_rows)      # LogitsOutput
 
-
-The scheduler decides what to run and owns the allocator bookkeeping; the runner only computes.
+The runner sizes the KV pool (it knows the weights and the device memory) and holds the buffers;
+the scheduler's KVManager owns every slot and the req->token table. The runner only computes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.layers.attention.base import create_backend
-from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.server_args import ServerArgs
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_CAP_BYTES = 4 << 30       # never take more than this for KV on CPU by default
 CPU_MAX_TOTAL_TOKENS = 1 << 18   # nor more slots than this
+CPU_FULL_CONTEXT_REQS = 64       # nor more than this many requests at full context length
+MAX_RUNNING_CAP = 256            # default --max-running-requests is at most this
 
 
 @dataclass
@@ -80,29 +83,22 @@ class ModelRunner:
         self.num_local_kv_heads = max(cfg.num_kv_heads // tp, 1)
 
     def _init_memory(self) -> None:
+        """Sizes the KV pool and allocates the K/V buffers (page 0 reserved for padding writes)."""
         cfg, args = self.model_config, self.server_args
+        self.context_len = cfg.context_len
         self.kv_bytes_per_token = KVCache.bytes_per_token(cfg.num_layers, self.num_local_kv_heads,
                                                           cfg.head_dim, self.dtype)
-        if args.max_total_tokens:
-            total = args.max_total_tokens
-        else:
-            total = self._profile_kv_tokens()
-        num_pages = max(total // self.page_size, 2)
-        self.max_total_tokens = num_pages * self.page_size
-        self.context_len = cfg.context_len
+        total = args.max_total_tokens or self._profile_kv_tokens()
+        self.num_pages = max(total // self.page_size, 2)
+        self.max_total_tokens = self.num_pages * self.page_size
         self.max_running_requests = args.max_running_requests or min(
-            256, max(self.max_total_tokens // 8, 4))
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
-        self.allocator = TokenToKVPoolAllocator(num_pages, self.page_size, self.device)
-        self.kv_cache = KVCache(num_pages, self.page_size, cfg.num_layers, self.num_local_kv_heads,
+            MAX_RUNNING_CAP, max(self.max_total_tokens // 8, 4))
+        self.kv_cache = KVCache(self.num_pages, self.page_size, cfg.num_layers, self.num_local_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
-        logger.info(
-            "KV cache: %d bytes/token, max_total_tokens=%d, max_running_requests=%d, "
-            "max concurrent requests at full context (%d tokens)=%.2f",
-            self.kv_bytes_per_token, self.max_total_tokens, self.max_running_requests, self.context_len,
-            self.max_total_tokens / self.context_len)
 
     def _profile_kv_tokens(self) -> int:
+        """Default pool size: what memory allows, and no more than the model can use at once:
+        max running requests x context length (by default 64 requests on CPU, 256 on CUDA)."""
         frac = self.server_args.mem_fraction_static
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cuda":
@@ -113,6 +109,9 @@ class ModelRunner:
             avail = _available_ram_bytes()
             budget = min(avail * frac - weight_bytes, CPU_KV_CAP_BYTES)
             tokens = min(int(budget // self.kv_bytes_per_token), CPU_MAX_TOTAL_TOKENS)
+        full_context_reqs = self.server_args.max_running_requests or (
+            MAX_RUNNING_CAP if self.device.type == "cuda" else CPU_FULL_CONTEXT_REQS)
+        tokens = min(tokens, full_context_reqs * self.context_len)
         if tokens < self.page_size * 16:
             raise RuntimeError(f"Not enough memory for the KV cache (room for {tokens} tokens). "
                                "Lower the context length or raise --mem-fraction-static / --max-total-tokens.")
@@ -132,9 +131,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------- forward
     def make_forward_batch(self, mode: ForwardMode, input_ids: list[int], rows: list[int],
-                           prefix_lens: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
+                           prefix_lens: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor,
+                           req_to_token_pool: ReqToTokenPool) -> ForwardBatch:
+        """A ForwardBatch over this runner's K/V buffers; `req_to_token_pool` is only read."""
         fb = ForwardBatch.build(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc,
-                                self.req_to_token_pool, self.kv_cache, self.device)
+                                req_to_token_pool, self.kv_cache, self.device)
         fb.attn_backend = self.attn_backend
         return fb
 

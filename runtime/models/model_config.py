@@ -1,5 +1,8 @@
 """ModelConfig: what the runtime needs from an HF model folder, read from config.json directly.
 
+A .gguf file path is accepted too: its metadata is converted once into a cached HF folder
+(see gguf_loader.materialize_gguf) and `gguf_file` tells the weight loader where the weights are.
+
 Accepts both config.json forms: transformers 5 (`rope_parameters`, `dtype`) and the older one
 (top-level `rope_theta`, `rope_scaling`, `torch_dtype`). Every problem a user can cause (bad path,
 unsupported architecture or rope, too long a context) raises `ModelLoadError` with a plain message.
@@ -7,6 +10,7 @@ unsupported architecture or rope, too long a context) raises `ModelLoadError` wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -48,20 +52,30 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     hf_config: dict = field(repr=False)
+    gguf_file: str | None = None   # weights come from this GGUF file instead of safetensors in `path`
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
                   revision: str | None = None) -> ModelConfig:
-        """Reads `path`/config.json (resolving a hub id first if `path` is not a local folder)."""
-        folder = resolve_model_path(path, revision)
+        """Reads `path`/config.json (resolving a hub id first if `path` is not a local folder).
+
+        For a .gguf file, reads the config converted from its metadata (written on first use)."""
+        gguf_file = str(Path(path).expanduser().resolve()) if is_gguf_file(path) else None
+        if gguf_file:
+            from radixlm.runtime.models.gguf_loader import materialize_gguf
+
+            folder = materialize_gguf(gguf_file)
+        else:
+            folder = resolve_model_path(path, revision)
         hf = _read_json(folder / "config.json")
         if hf is None:
             raise ModelLoadError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
         arch = _check_architecture(hf)
         try:
-            return ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length)
+            config = ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length)
         except KeyError as err:
             raise ModelLoadError(f"{str(folder / 'config.json')!r} lacks the field {err.args[0]!r}") from None
+        return dataclasses.replace(config, gguf_file=gguf_file) if gguf_file else config
 
     @staticmethod
     def _from_hf(folder: str, hf: dict, arch: str, dtype: str, context_length: int | None) -> ModelConfig:
@@ -110,7 +124,8 @@ def resolve_model_path(path: str, revision: str | None = None) -> Path:
     if local.is_dir():
         return local
     if local.exists():
-        raise ModelLoadError(f"Model path {path!r} is a file; pass the model folder that holds config.json")
+        raise ModelLoadError(f"Model path {path!r} is a file; pass the model folder that holds config.json "
+                             "(or a .gguf file)")
     if not _looks_like_hub_id(path):
         raise ModelLoadError(f"Model path {path!r} does not exist (and is not a Hugging Face Hub id)")
     try:
@@ -123,6 +138,11 @@ def resolve_model_path(path: str, revision: str | None = None) -> Path:
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). "
             "Check the path, or the network and HF_TOKEN for hub ids."
         ) from None
+
+
+def is_gguf_file(path: str) -> bool:
+    """True for an existing file named *.gguf."""
+    return path.lower().endswith(".gguf") and Path(path).expanduser().is_file()
 
 
 def _looks_like_hub_id(path: str) -> bool:

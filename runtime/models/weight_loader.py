@@ -1,4 +1,5 @@
-"""Reads safetensors checkpoints (single file or sharded with an index) and builds loaded models.
+"""Reads safetensors checkpoints (single file or sharded with an index) or a GGUF file, and builds
+loaded models.
 
 Tensors are read one at a time from memory-mapped files, so loading never holds the whole
 checkpoint; each parameter's `weight_loader` keeps only this TP rank's slice.
@@ -49,6 +50,15 @@ def iterate_weights(folder: str | Path, show_progress: bool = True) -> Iterator[
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_weights(config: ModelConfig, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) pairs from the config's GGUF file if it has one, else its safetensors."""
+    if config.gguf_file:
+        from radixlm.runtime.models.gguf_loader import iterate_gguf_weights
+
+        return iterate_gguf_weights(config.gguf_file, config.num_heads, config.num_kv_heads, show_progress)
+    return iterate_weights(config.path, show_progress=show_progress)
+
+
 def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_progress: bool | None = None) -> nn.Module:
     """Builds the model for `config` in `config.dtype` on `device` and loads its weights.
 
@@ -58,11 +68,11 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_pro
     config.check_tp_size(get_tp_size())
     model = build_model(config, device)
     progress = get_tp_rank() == 0 if show_progress is None else show_progress
-    loaded = model.load_weights(iterate_weights(config.path, show_progress=progress))
+    loaded = model.load_weights(checkpoint_weights(config, show_progress=progress))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"Checkpoint in {config.path!r} lacks weights for: {shown}")
+        raise ModelLoadError(f"Checkpoint in {config.gguf_file or config.path!r} lacks weights for: {shown}")
     return model.eval()
 
 

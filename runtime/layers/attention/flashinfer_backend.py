@@ -2,8 +2,9 @@
 
 Per forward pass, `init_forward_metadata` builds the paged metadata once
 (`radixlm.kernels.flashinfer_meta`) and calls `plan` on one wrapper: the prefill wrapper for
-EXTEND and MIXED, the decode wrapper for DECODE. Every layer then calls that wrapper's `run` with
-its own K/V buffers viewed as pages; plan once, run per layer, as FlashInfer intends.
+EXTEND (prefills and chunks, with any decodes), the decode wrapper for DECODE. Every layer then
+calls that wrapper's `run` with its own K/V buffers viewed as pages; plan once, run per layer,
+as FlashInfer intends.
 
 FlashInfer is imported inside `__init__`, after checking CUDA, so this module imports on CPU
 without flashinfer installed (importing flashinfer on CPU succeeds but every kernel fails).

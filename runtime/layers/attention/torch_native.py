@@ -1,6 +1,11 @@
 """torch_native attention: the CPU backend and the reference for the others.
 
-Vectorized over the batch: once per forward pass, `init_forward_metadata` groups the requests
+On CPU, when the C++ kernels in `radixlm.kernels.cpu_attention` load (the default), both decode
+and extend run them: they read K/V in place through `req_to_token`, with no gather or padded copy.
+`RADIXLM_DISABLE_CPU_KERNELS=1`, a non-CPU device, or an unsupported shape/dtype selects the torch
+code below, which stays the reference the kernels are tested against.
+
+The torch code is vectorized over the batch: once per forward pass, `init_forward_metadata` groups the requests
 (decodes, i.e. extend_len == 1, apart from longer extends so a long prefill does not pad every
 decode to its length) and, per group, builds a padded `[bs, max_kv]` table of KV slots and a
 boolean mask. Each layer then gathers K/V for the group in one indexing op and runs one
@@ -17,8 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels.cpu_attention import load_cpu_attention
 from radixlm.runtime.layers.attention.base import AttentionBackend, RadixAttention, register_backend
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -31,20 +39,48 @@ class _Group:
     mask: torch.Tensor         # [bs, 1, max_q, max_kv] True = attend
 
 
+@dataclass
+class _KernelMeta:
+    """What the C++ kernels read, all int64 on CPU; `groups` is built only if a layer falls back."""
+    req_pool_indices: torch.Tensor  # [bs]
+    seq_lens: torch.Tensor          # [bs]
+    prefix_lens: torch.Tensor       # [bs]
+    qo_indptr: torch.Tensor         # [bs + 1] start of each request's queries in q
+    all_decode: bool                # every extend_len == 1: the decode kernel applies
+    groups: list[_Group] | None = None
+
+
 @register_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, **_: object):
-        pass
+    def __init__(self, device: str | torch.device = "cpu", use_kernels: bool = True, **_: object):
+        """Builds/loads the CPU kernels when on CPU (may compile on first use, see cpu_attention)."""
+        on_cpu = torch.device(device).type == "cpu"
+        self.kernels = load_cpu_attention() if (use_kernels and on_cpu) else None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if self.kernels is not None and fb.input_ids.device.type == "cpu":
+            fb.attn_metadata = self._kernel_meta(fb)
+        else:
+            fb.attn_metadata = self._build_groups(fb)
+
+    @staticmethod
+    def _kernel_meta(fb: ForwardBatch) -> _KernelMeta:
+        ext = fb.extend_lens_cpu
+        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        if ext:
+            torch.cumsum(torch.tensor(ext, dtype=torch.int64), 0, out=qo_indptr[1:])
+        i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731
+        return _KernelMeta(i64(fb.req_pool_indices), i64(fb.seq_lens), i64(fb.prefix_lens), qo_indptr,
+                           all(n == 1 for n in ext))
+
+    def _build_groups(self, fb: ForwardBatch) -> list[_Group]:
         ext = fb.extend_lens_cpu
         starts = [0]
         for n in ext:
             starts.append(starts[-1] + n)
         decode_ids = [i for i, n in enumerate(ext) if n == 1]
         extend_ids = [i for i, n in enumerate(ext) if n != 1]
-        groups = [self._build_group(fb, ids, starts) for ids in (decode_ids, extend_ids) if ids]
-        fb.attn_metadata = groups
+        return [self._build_group(fb, ids, starts) for ids in (decode_ids, extend_ids) if ids]
 
     @staticmethod
     def _build_group(fb: ForwardBatch, ids: list[int], starts: list[int]) -> _Group:
@@ -75,11 +111,44 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, H, D]
-        out = torch.empty_like(q)
         k_buf = fb.kv_cache.k_buffer[layer.layer_id]
         v_buf = fb.kv_cache.v_buffer[layer.layer_id]
+        meta = fb.attn_metadata
+        if isinstance(meta, _KernelMeta):
+            if self._kernel_fits(q, k_buf, layer):
+                return self._attend_kernel(q, k_buf, v_buf, layer, fb, meta)
+            if meta.groups is None:
+                meta.groups = self._build_groups(fb)
+            meta = meta.groups
+        return self._attend_torch(q, k_buf, v_buf, layer, meta)
+
+    @staticmethod
+    def _kernel_fits(q: torch.Tensor, k_buf: torch.Tensor, layer: RadixAttention) -> bool:
+        D, group = layer.head_dim, layer.num_heads // layer.num_kv_heads
+        return (q.dtype in _KERNEL_DTYPES and k_buf.dtype in _KERNEL_DTYPES and D in (16, 32, 64, 128, 256)
+                and layer.num_heads % layer.num_kv_heads == 0 and group <= 16 and q.stride(2) == 1)
+
+    def _attend_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
+                       fb: ForwardBatch, meta: _KernelMeta) -> torch.Tensor:
+        """In-place paged attention (C++). Reads K/V through req_to_token; writes a new output."""
+        out = torch.empty(q.shape, dtype=q.dtype)
+        table = fb.req_to_token_pool.req_to_token
+        # under torch.compile the registered custom ops keep the graph whole; eager calls skip the dispatcher
+        ops = torch.ops.radixlm if torch.compiler.is_compiling() else None
+        if meta.all_decode:
+            fn = ops.cpu_paged_decode if ops else self.kernels.decode
+            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0)
+        else:
+            fn = ops.cpu_paged_extend if ops else self.kernels.extend
+            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens, meta.seq_lens,
+               meta.qo_indptr, layer.scaling)
+        return out
+
+    def _attend_torch(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
+                      groups: list[_Group]) -> torch.Tensor:
+        out = torch.empty_like(q)
         H, D = layer.num_heads, layer.head_dim
-        for g in fb.attn_metadata:
+        for g in groups:
             if g.max_q == 1:
                 out[g.token_rows] = self._decode_group(q[g.token_rows], k_buf, v_buf, g, layer)
                 continue

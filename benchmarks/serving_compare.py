@@ -1,0 +1,219 @@
+"""Side by side: bench_serving.py against two servers in one invocation (`--compare-base-url`).
+
+Both servers get the same client, the same prompts (made once, with the first server's tokenizer)
+and the same load, back to back: for each concurrency and each repeat, the first server runs, then
+the second. Each run records how busy the machine was while it ran, since both servers (and
+anything else) share the cores. The table has one row per (concurrency, repeat) with both systems'
+output tok/s, TPOT p50 and TTFT p50 and the ratios, each written so that > 1 means the first server
+is better: output tok/s first/second, TPOT and TTFT second/first.
+
+`--compare-launch CMD` starts the second server itself (a shell command, e.g. `vllm serve ...`)
+and stops it at the end; it must serve at `--compare-base-url`.
+
+Prefix caches: before each run the first server's cache is flushed (`/flush_cache` for radixlm
+backends), and for an OpenAI peer `POST /reset_prefix_cache` is tried (vLLM serves it when started
+with `VLLM_SERVER_DEV_MODE=1`). Whether the peer's flush worked is in the JSON (`peer_cache_reset`);
+without it, later runs (same prompts, same seed) may hit the peer's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import common
+import httpx
+
+PEER_READY_TIMEOUT = 900.0
+
+
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("side by side (one invocation, two servers)")
+    g.add_argument("--compare-base-url", help="a second server to run the same benchmark against, back to back")
+    g.add_argument("--compare-backend", choices=("radixlm", "radixlm-openai", "openai"), default="openai",
+                   help="API of the second server (default: %(default)s)")
+    g.add_argument("--compare-name", default="peer", help="the second server's name in the table (default: %(default)s)")
+    g.add_argument("--name", default="radixlm", help="the first server's name in the table (default: %(default)s)")
+    g.add_argument("--compare-model", help="model name for the second server's OpenAI requests (default: its first)")
+    g.add_argument("--compare-launch", help="shell command that starts the second server (stopped at the end)")
+    g.add_argument("--repeats", type=int, default=1, help="runs of each concurrency per server (default: %(default)s)")
+
+
+class PeerProcess:
+    """The second server started from `--compare-launch`, in its own process group."""
+
+    def __init__(self, command: str, base_url: str, timeout: float = PEER_READY_TIMEOUT):
+        self.log_path = tempfile.mkstemp(prefix="bench-peer-", suffix=".log")[1]
+        self._log = open(self.log_path, "w")
+        print(f"launching peer: {command}  (log: {self.log_path})")
+        self.proc = subprocess.Popen(command, shell=True, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"peer exited with code {self.proc.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"peer not ready within {timeout:.0f} s; log: {self.log_path}")
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM to the peer's whole process group, then SIGKILL after `grace` seconds."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+class Target:
+    """One server under test: its name, HTTP client, benchmark client and cache flush."""
+
+    def __init__(self, name: str, args: argparse.Namespace, http: httpx.AsyncClient, client: Any):
+        self.name, self.args, self.http, self.client = name, args, http, client
+
+    async def flush(self) -> bool | None:
+        """Empties the server's prefix cache; True/False: worked or not, None: not asked for."""
+        if not self.args.flush_cache:
+            return None
+        path = "/flush_cache" if self.args.backend != "openai" else "/reset_prefix_cache"
+        try:
+            resp = await self.http.post(path, headers=self.args.headers)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+
+def peer_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The first server's settings with the second server's API, model name and URL."""
+    peer = copy.copy(args)
+    peer.backend = args.compare_backend
+    peer.model = args.compare_model
+    peer.base_url = args.compare_base_url.rstrip("/")
+    return peer
+
+
+async def bench_compare(bs: Any, args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    """`bs` is the bench_serving module. Runs every (concurrency, repeat) on both servers."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    p_args = peer_args(args)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as http_a, \
+            httpx.AsyncClient(base_url=p_args.base_url, timeout=timeout, limits=limits) as http_b:
+        model_a, tokenizer, args.context_len = await bs.discover(args, http_a)
+        model_b, _, context_b = await bs.discover(_without_tokenizer(p_args), http_b)
+        p_args.context_len = args.context_len or context_b
+        maker = bs.PromptMaker(tokenizer, args.seed)
+        targets = [Target(args.name, args, http_a, bs.Client(args, http_a, maker, model_a)),
+                   Target(args.compare_name, p_args, http_b, bs.Client(p_args, http_b, maker, model_b))]
+        for t in targets:
+            for _ in range(args.warmup_requests):
+                await t.client.send([{"role": "user", "content": maker.text(8)}], 4, raw=True)
+        runs = []
+        for concurrency in args.max_concurrency or [None]:
+            for repeat in range(args.repeats):
+                for t in targets:
+                    runs.append(await _one_run(bs, t, tokenizer, concurrency, repeat))
+    return {"base_url": base_url, "compare_base_url": p_args.base_url, "names": [args.name, args.compare_name],
+            "models": [model_a, model_b], "tokenizer": getattr(tokenizer, "name_or_path", None), "runs": runs}
+
+
+def _without_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
+    """The peer reuses the first server's prompts, so it need not load a tokenizer."""
+    out = copy.copy(args)
+    out.tokenizer = None
+    return out
+
+
+async def _one_run(bs: Any, t: Target, tokenizer: Any, concurrency: int | None, repeat: int) -> dict[str, Any]:
+    flushed = await t.flush()
+    dataset = bs.make_dataset(t.args, bs.PromptMaker(tokenizer, t.args.seed))
+    before = await bs.cache_counters(t.http)
+    with common.LoadMonitor() as load:
+        results, duration, skipped = await bs.run_once(t.args, t.client, dataset, concurrency)
+    after = await bs.settled_counters(t.http) if before is not None else None
+    run = bs.summarize_run(results, duration, concurrency, t.args.request_rate, bs.hit_rate(before, after))
+    return {**run, "system": t.name, "repeat": repeat, "cache_reset": flushed, "turns_skipped_context": skipped,
+            "machine_busy_fraction": load.summary()["busy_fraction"]}
+
+
+def compare_rows(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Pairs each run of the first server with the second's run of the same concurrency and repeat."""
+    first, second = names
+    by_key = {(r["max_concurrency"], r["repeat"], r["system"]): r for r in runs}
+    rows = []
+    for r in runs:
+        if r["system"] != first:
+            continue
+        peer = by_key.get((r["max_concurrency"], r["repeat"], second))
+        if peer is None:
+            continue
+        rows.append({"max_concurrency": r["max_concurrency"], "repeat": r["repeat"], "a": r, "b": peer,
+                     "output_throughput_ratio": _ratio(r["output_throughput"], peer["output_throughput"]),
+                     "tpot_p50_ratio": _ratio(peer["tpot_ms"]["p50"], r["tpot_ms"]["p50"]),
+                     "ttft_p50_ratio": _ratio(peer["ttft_ms"]["p50"], r["ttft_ms"]["p50"])})
+    return rows
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def compare_table(results: dict[str, Any]) -> str:
+    a, b = results["names"]
+    rows = compare_rows(results["runs"], results["names"])
+    headers = ["concurrency", "run", f"{a} out tok/s", f"{b} out tok/s", f"out tok/s {a}/{b}",
+               f"TPOT p50 ms {a} / {b}", f"TPOT {b}/{a}", f"TTFT p50 ms {a} / {b}", f"TTFT {b}/{a}",
+               "done/failed", "busy cores during runs", "cache hit"]
+
+    def pair(key: str, x: dict[str, Any], y: dict[str, Any]) -> str:
+        return f"{common.fmt(x[key]['p50'], 1)} / {common.fmt(y[key]['p50'], 1)}"
+
+    def hit(run: dict[str, Any]) -> str:
+        rate = run["cache_hit_rate"]
+        return "-" if rate is None else f"{rate:.1%}"
+
+    body = [[r["max_concurrency"] or "inf", r["repeat"] + 1, r["a"]["output_throughput"],
+             r["b"]["output_throughput"], _x(r["output_throughput_ratio"]), pair("tpot_ms", r["a"], r["b"]),
+             _x(r["tpot_p50_ratio"]), pair("ttft_ms", r["a"], r["b"]), _x(r["ttft_p50_ratio"]),
+             f"{r['a']['completed']}/{r['a']['failed']} , {r['b']['completed']}/{r['b']['failed']}",
+             f"{r['a']['machine_busy_fraction']:.0%} / {r['b']['machine_busy_fraction']:.0%}",
+             f"{hit(r['a'])} / {hit(r['b'])}"]
+            for r in rows]
+    note = (f"\n\nRatios: > 1 means {a} is better (throughput {a}/{b}; TPOT and TTFT {b}/{a}). "
+            f"Busy cores: share of all cores in use during each run (both servers and anything else).")
+    errors = sorted({e for r in results["runs"] for e in r["errors"]})
+    if errors:
+        note += "\n\nErrors: " + "; ".join(errors[:5])
+    return common.markdown_table(headers, body) + note
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def run(bs: Any, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Starts the peer if asked, then runs `bench_compare` through common.run_against_server."""
+    peer = PeerProcess(args.compare_launch, args.compare_base_url.rstrip("/")) if args.compare_launch else None
+    try:
+        results, load = common.run_against_server(args, lambda a, url: bench_compare(bs, a, url))
+    finally:
+        if peer:
+            peer.stop()
+    results["compare_launch"] = shlex.split(args.compare_launch) if args.compare_launch else None
+    results["rows"] = compare_rows(results["runs"], results["names"])
+    return results, load

@@ -1,0 +1,224 @@
+"""KVManager: the one owner of KV bookkeeping in a scheduler.
+
+It holds the req->token table (`ReqToTokenPool`), the slot allocator and the prefix cache
+(`RadixCache`, or `ChunkCache` with `--disable-radix-cache`). It is the only code that writes
+`req_to_token` and the only code that frees KV slots; the K/V buffers themselves live in the
+model runner. At every moment a usable slot is in exactly one of three places:
+
+    free         in the allocator
+    cached       in the prefix cache (evictable, or protected while a request locks its node)
+    owned        by one request: row[len(req.prefix_indices), req.cached_len) of its table row,
+                 plus the slots `alloc_extend` gave it for the pass being computed
+
+The life of a request, as the planner and the scheduler drive it:
+
+    match = kv.match_prefix(ids)              no lock; valid until the next evict
+    kv.lock(match.last_node)                  the prefix is now safe from eviction
+    kv.admit(req, match)                      a row; row[0, prefix_len) = the matched slots
+    loc = kv.alloc_extend(reqs, extend_lens)  row[cached_len, cached_len + n) = fresh slots
+    ... forward pass; req.cached_len += n ...
+    kv.cache_unfinished_req(req)              a chunk is done: share it, lock the longer prefix
+    kv.cache_finished_req(req)                done, aborted or retracted: share, free the rest
+
+Not thread-safe: only the scheduler loop calls it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, InsertResult, MatchResult
+from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, new_slots_needed
+from radixlm.runtime.utils import align_down
+
+if TYPE_CHECKING:
+    from radixlm.runtime.mem_cache.tree_node import TreeNode
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class KVReq(Protocol):
+    """The attributes of a scheduler request that the KV manager reads and writes."""
+
+    req_pool_idx: int | None       # row in req_to_token
+    all_ids: list[int]             # prompt + output token ids
+    cached_len: int                # tokens at the front of the row whose KV slots are held
+    prefix_indices: torch.Tensor   # slots of the cache-owned prefix (len == prefix length)
+    last_node: TreeNode | None     # node this request has locked
+
+
+def make_prefix_cache(disable_radix_cache: bool, page_size: int, device: str | torch.device) -> BasePrefixCache:
+    if disable_radix_cache:
+        from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
+
+        return ChunkCache(page_size, device)
+    from radixlm.runtime.mem_cache.radix_cache import RadixCache
+
+    return RadixCache(page_size, device)
+
+
+def write_slots(table: torch.Tensor, rows: list[int], starts: list[int], ends: list[int],
+                slots: torch.Tensor) -> None:
+    """table[rows[i], starts[i]:ends[i]] = the next ends[i] - starts[i] of `slots`, in order.
+
+    The one place the req->token table is written (KVManager, and tests that drive raw pools).
+    """
+    offset = 0
+    for row, start, end in zip(rows, starts, ends):
+        table[row, start:end] = slots[offset: offset + end - start].to(table.dtype)
+        offset += end - start
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, max_running_requests: int, context_len: int,
+                 device: str | torch.device, disable_radix_cache: bool = False):
+        self.page_size = page_size
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, page_size, device)
+        self.prefix_cache = make_prefix_cache(disable_radix_cache, page_size, device)
+
+    # ------------------------------------------------------------- sizes
+    @property
+    def total_tokens(self) -> int:
+        """Usable KV slots (the pool size, page 0 excluded)."""
+        return self.allocator.size
+
+    def free_tokens(self) -> int:
+        return self.allocator.available_size()
+
+    def evictable_tokens(self) -> int:
+        return self.prefix_cache.evictable_size()
+
+    def protected_tokens(self) -> int:
+        return self.prefix_cache.protected_size()
+
+    def available_tokens(self) -> int:
+        """Slots an allocation may use: free now, or freed by evicting unlocked cache."""
+        return self.allocator.available_size() + self.prefix_cache.evictable_size()
+
+    def used_tokens(self) -> int:
+        """Slots owned by requests or locked in the cache."""
+        return self.total_tokens - self.available_tokens()
+
+    def is_fully_free(self) -> bool:
+        """True at idle: every slot free or evictable, no lock held, every row free."""
+        pool = self.req_to_token_pool
+        return (self.available_tokens() == self.total_tokens and self.protected_tokens() == 0
+                and pool.available_size() == pool.size)
+
+    def new_slots_needed(self, prefix_lens: list[int], seq_lens: list[int]) -> int:
+        """Slots that allocating tokens [prefix_lens[i], seq_lens[i]) of each request will take."""
+        return sum(new_slots_needed(p, s, self.page_size) for p, s in zip(prefix_lens, seq_lens))
+
+    # --------------------------------------------------------- admission
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached prefix of `key` (page-aligned). Does not lock; see BasePrefixCache."""
+        return self.prefix_cache.match_prefix(key[: align_down(len(key), self.page_size)])
+
+    def lock(self, node: TreeNode | None) -> int:
+        """Protects `node`'s path from eviction; returns how many tokens stopped being evictable."""
+        before = self.prefix_cache.evictable_size()
+        self.prefix_cache.inc_lock_ref(node)
+        return before - self.prefix_cache.evictable_size()
+
+    def unlock(self, node: TreeNode | None) -> None:
+        """Undoes one `lock(node)`."""
+        self.prefix_cache.dec_lock_ref(node)
+
+    def admit(self, req: KVReq, match: MatchResult) -> bool:
+        """Gives `req` a row holding the matched prefix; False (no change) when no row is free.
+
+        The caller has locked `match.last_node`; from here the request holds that lock. Sets
+        `req_pool_idx`, `prefix_indices`, `last_node` and `cached_len = len(match.kv_indices)`.
+        """
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            return False
+        prefix_len = len(match.kv_indices)
+        write_slots(self.req_to_token_pool.req_to_token, [row], [0], [prefix_len], match.kv_indices)
+        req.req_pool_idx, req.prefix_indices, req.last_node = row, match.kv_indices, match.last_node
+        req.cached_len = prefix_len
+        return True
+
+    # -------------------------------------------------------- allocation
+    def ensure_free(self, num_tokens: int) -> bool:
+        """Evicts unlocked cache until `num_tokens` slots are free; False if it cannot."""
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.allocator.free(self.prefix_cache.evict(short))
+        return self.allocator.available_size() >= num_tokens
+
+    def alloc_extend(self, reqs: list[KVReq], extend_lens: list[int]) -> torch.Tensor | None:
+        """Slots for tokens [cached_len, cached_len + n) of each request, written into its row.
+
+        Evicts cache as needed. Returns the int64 slots in request order (the pass's
+        `out_cache_loc`), or None, changing nothing, when even eviction cannot make room.
+        """
+        prefix_lens = [r.cached_len for r in reqs]
+        ends = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        if not self.ensure_free(self.new_slots_needed(prefix_lens, ends)):
+            return None
+        table = self.req_to_token_pool.req_to_token
+        rows = [r.req_pool_idx for r in reqs]
+        last_locs = [int(table[row, p - 1]) if p else 0 for row, p in zip(rows, prefix_lens)]
+        loc = self.allocator.alloc_extend(prefix_lens, ends, last_locs)
+        assert loc is not None, "allocation failed after ensure_free"
+        write_slots(table, rows, prefix_lens, ends, loc)
+        return loc
+
+    # ----------------------------------------------------------- caching
+    def cache_finished_req(self, req: KVReq) -> None:
+        """The request is done (finished, aborted or retracted): share its KV, free the rest.
+
+        Region table of the request's row, P = page_size, `ins` = the cache's InsertResult:
+          [0, prefix_len)                cache-owned prefix, locked by req.last_node  -> unlocked
+          [prefix_len, ins.prefix_len)   the request's copies of tokens the cache had -> freed
+          [ins.prefix_len, ins.cached_len) new to the cache                           -> cache
+          [ins.cached_len, cached_len)   partial last page (or no cache at all)       -> freed
+        Afterwards the request owns nothing: no row, no lock, empty `prefix_indices`. Idempotent:
+        on a request without a row (never admitted, or already cached) it only drops a held lock.
+        """
+        row = req.req_pool_idx
+        if row is not None:
+            slots = self._row_slots(req)
+            ins = self._insert(req, slots)
+            self.allocator.free(slots[ins.cached_len:])
+            self.req_to_token_pool.free(row)
+        self.prefix_cache.dec_lock_ref(req.last_node)
+        req.req_pool_idx, req.last_node, req.prefix_indices = None, None, _EMPTY
+
+    def cache_unfinished_req(self, req: KVReq) -> None:
+        """The request keeps running (a chunk of its prefill is done): share its KV so far.
+
+        Same region table as `cache_finished_req`, except that [ins.cached_len, cached_len) stays
+        with the request, and the row's [0, ins.cached_len) is rewritten to the cache's slots, which
+        the request then locks (`prefix_indices`, `last_node` updated; the old lock is dropped).
+        """
+        assert req.req_pool_idx is not None, "cache_unfinished_req on a request without a row"
+        ins = self._insert(req, self._row_slots(req))
+        match = self.prefix_cache.match_prefix(req.all_ids[: ins.cached_len])
+        assert len(match.kv_indices) == ins.cached_len, "just-inserted prefix did not match in full"
+        write_slots(self.req_to_token_pool.req_to_token, [req.req_pool_idx], [0], [ins.cached_len],
+                    match.kv_indices)
+        self.prefix_cache.inc_lock_ref(match.last_node)   # lock the new path before unlocking the old
+        self.prefix_cache.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node = match.kv_indices, match.last_node
+
+    def flush(self) -> None:
+        """Forgets the whole cache and frees every slot and row. Only valid with no request running."""
+        self.prefix_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+
+    # ----------------------------------------------------------- helpers
+    def _row_slots(self, req: KVReq) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len].to(torch.int64)
+
+    def _insert(self, req: KVReq, slots: torch.Tensor) -> InsertResult:
+        """Offers the page-aligned part of the row to the cache and frees the duplicates."""
+        aligned_len = align_down(len(slots), self.page_size)
+        ins = self.prefix_cache.insert(req.all_ids[:aligned_len], slots[:aligned_len])
+        self.allocator.free(slots[len(req.prefix_indices): ins.prefix_len])
+        return ins

