@@ -39,17 +39,18 @@ def start_server(model_path: str | None, *extra_args: str, api_key: str | None =
                                  cwd=REPO_ROOT)
 
 
-def server_fixture(*flags: str, model: str = "llama_path", api_key: str | None = None,
-                   env: dict[str, str] | None = None, clean_exit: bool = False,
+def server_fixture(*flags: str, model: str | Callable[[], str] = "llama_path", api_key: str | None = None,
+                   env: dict[str, str] | None = None, clean_exit: bool = False, timeout: float = 180.0,
                    more_flags: Callable[[pytest.FixtureRequest], Sequence[str]] | None = None) -> Any:
-    """A module-scoped `server` fixture: the model fixture named `model`, `flags` (plus
-    `more_flags(request)`, for flags that come from other fixtures). With `clean_exit`, teardown
-    asserts the server exited 0 on SIGTERM."""
+    """A module-scoped server fixture (assign it to the fixture's name): the model is the fixture
+    named `model` (or `model()` when callable), with `flags` (plus `more_flags(request)`, for flags
+    that come from other fixtures). With `clean_exit`, teardown asserts the server exited 0 on SIGTERM."""
 
     @pytest.fixture(scope="module")
     def server(request: pytest.FixtureRequest):
         extra = tuple(more_flags(request)) if more_flags is not None else ()
-        srv = start_server(request.getfixturevalue(model), *flags, *extra, api_key=api_key, env=env)
+        path = model() if callable(model) else request.getfixturevalue(model)
+        srv = start_server(path, *flags, *extra, api_key=api_key, env=env, timeout=timeout)
         yield srv
         code = srv.stop()
         if clean_exit:
