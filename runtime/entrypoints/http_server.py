@@ -16,7 +16,6 @@ import logging
 import time
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
@@ -27,6 +26,7 @@ from radixlm.runtime.entrypoints.errors import (
     APIError,
     error_body,
     install_error_handlers,
+    json_response,
     raise_if_rejected,
     to_api_error,
 )
@@ -84,10 +84,6 @@ class ServerState:
         return await server_info(self.server_args, self.tm, self.started_at)
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
 def _add_native_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
@@ -105,14 +101,14 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/get_model_info")
     async def model_info() -> Response:
         info = st.tm.scheduler_info
-        return _json({"model_path": st.server_args.model_path, "tokenizer_path": st.server_args.tokenizer_path,
+        return json_response({"model_path": st.server_args.model_path, "tokenizer_path": st.server_args.tokenizer_path,
                       "is_generation": bool(info.get("is_generation", True)),
                       "served_model_name": st.server_args.model_name, "max_model_len": st.tm.context_len})
 
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> Response:
-        return _json(await st.server_info())
+        return json_response(await st.server_info())
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -122,14 +118,14 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
         out = await st.tm.flush_cache()
         if not out.success:
             raise APIError(400, out.message or "Cache flush refused")
-        return _json({"success": True, "message": out.message or "Cache flushed."})
+        return json_response({"success": True, "message": out.message or "Cache flushed."})
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:
         if not body.rid and not body.abort_all:
             raise APIError(400, "abort_request needs 'rid' (or 'abort_all': true)", param="rid")
         st.tm.abort_request("" if body.abort_all else body.rid)
-        return _json({"success": True})
+        return json_response({"success": True})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -157,7 +153,7 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
         raise to_api_error(e) from None
     if not body.stream:
         await stream.aclose()
-        return _json(first)
+        return json_response(first)
 
     async def events() -> Any:
         try:
@@ -177,11 +173,11 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
 def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return _json(serving.list_models())
+        return json_response(serving.list_models())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
-        return _json(serving.retrieve_model(model_id))
+        return json_response(serving.retrieve_model(model_id))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

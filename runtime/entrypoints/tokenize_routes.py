@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response
 
-from radixlm.runtime.entrypoints.errors import APIError
+from radixlm.runtime.entrypoints.errors import APIError, json_response
 
 
 class TokenizeRequest(BaseModel):
@@ -68,9 +67,8 @@ def add_tokenize_routes(app: FastAPI, tm: Any) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:
-        return Response(orjson.dumps(tokenize(tm.tokenizer, body, tm.context_len)), media_type="application/json")
+        return json_response(tokenize(tm.tokenizer, body, tm.context_len))
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> Response:
-        return Response(orjson.dumps(detokenize(tm.tokenizer, body, tm.vocab_size)),
-                        media_type="application/json")
+        return json_response(detokenize(tm.tokenizer, body, tm.vocab_size))
