@@ -47,6 +47,12 @@ class Sampler:
         """Next token ids [bs] int64 for `logits` [bs, V]. Does not modify `logits`."""
         return self.sample(logits, info).next_token_ids
 
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Argmax of each row of `logits` [bs, V] as int64 [bs]: what `sample` returns for a batch
+        that `sampling_batch_info.is_plain_greedy` accepts (ties go to the lowest id in both)."""
+        return torch.argmax(logits, dim=-1).to(torch.int64)
+
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo, return_logprobs: bool = False
                ) -> SamplerOutput:
         """Like `__call__`, and optionally also the logprobs of the distribution sampled from

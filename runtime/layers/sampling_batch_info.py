@@ -158,6 +158,17 @@ class SamplingBatchInfo:
             self.ban_ids = _tensor(ids, torch.int64, device)
 
 
+def is_plain_greedy(params: list[SamplingParams], output_ids: list[list[int]]) -> bool:
+    """True when every row is greedy and no step of the pipeline applies to any row (no penalties,
+    logit_bias or pending min_new_tokens ban): the next tokens are then just the argmax of the raw
+    logits, and building a SamplingBatchInfo can be skipped. Grammar masks and logprobs are the
+    caller's to check."""
+    for p, out in zip(params, output_ids, strict=True):
+        if not p.is_greedy or p.has_penalties or p.logit_bias or len(out) < p.min_new_tokens:
+            return False
+    return True
+
+
 def step_seed(seed: int, step: int) -> int:
     """The generator seed of a seeded request at output position `step` (a 63-bit mix of both)."""
     return _mix64((seed & _MASK64) ^ _mix64(step)) >> 1

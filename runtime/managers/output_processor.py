@@ -15,7 +15,7 @@ import torch
 from radixlm.kernels.vocab_mask import allocate_vocab_mask, vocab_mask_to_bool
 from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from radixlm.runtime.layers.sampler import Sampler
-from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo
+from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
 from radixlm.runtime.managers.batch_planner import StepBatch
 from radixlm.runtime.managers.io_struct import ReqTokenOut
 from radixlm.runtime.managers.req import Req
@@ -76,6 +76,11 @@ class OutputProcessor:
 
     # ------------------------------------------------------------ sampling
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        want_lp = any(r.return_logprob for r in reqs)
+        params = [r.sampling_params for r in reqs]
+        if not want_lp and all(r.grammar is None for r in reqs) and is_plain_greedy(
+                params, [r.output_ids for r in reqs]):
+            return self.sampler.greedy(logits[:, : self.vocab_size]).tolist()   # no per-step tensors
         mask = None
         if any(r.grammar is not None for r in reqs):
             words = allocate_vocab_mask(len(reqs), self.vocab_size)     # int32 bitmask, all allowed
@@ -83,10 +88,9 @@ class OutputProcessor:
                 if r.grammar is not None:
                     r.grammar.fill_vocab_mask(words[i])
             mask = vocab_mask_to_bool(words, self.vocab_size).to(self.device)
-        info = SamplingBatchInfo.build([r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs],
+        info = SamplingBatchInfo.build(params, [r.origin_input_ids for r in reqs],
                                        [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
                                        self.device, vocab_mask=mask)
-        want_lp = any(r.return_logprob for r in reqs)
         out = self.sampler.sample(logits[:, : self.vocab_size], info, return_logprobs=want_lp)
         ids = out.next_token_ids.tolist()
         if want_lp:

@@ -145,8 +145,10 @@ class ModelRunner:
         (flat token rows of this batch, for input logprobs)."""
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)            # [num_tokens, hidden]
-        last_rows = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
         extra = extra_logit_rows or []
+        if fb.forward_mode.is_decode and not extra:                    # one row per request already
+            return LogitsOutput(self.model.compute_logits(hidden).float(), None)
+        last_rows = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
         if extra:
             rows = torch.cat([last_rows, torch.tensor(extra, device=hidden.device)])
         else:
