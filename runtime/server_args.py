@@ -60,6 +60,18 @@ class ServerArgs:
     max_queued_requests: int | None = _f(None, "Reject new requests with 503 when this many are waiting.")
     request_timeout: float | None = _f(None, "Abort requests that run longer than this many seconds.")
     max_request_bytes: int = _f(8 * 1024 * 1024, "Refuse HTTP bodies larger than this with 413.")
+    max_top_logprobs: int = _f(20, "Largest top_logprobs_num a request may ask for (400 above).")
+    max_response_bytes: int = _f(64 * 1024 * 1024, "Abort a request whose output would grow past this "
+                                 "many bytes (estimated: text + logprob entries).")
+    max_stream_buffer_bytes: int = _f(4 * 1024 * 1024, "Abort a stream once this much output waits "
+                                      "unread by its client (estimated bytes).")
+    http_header_timeout: float = _f(10.0, "Close connections whose request headers are not complete "
+                                    "within this many seconds (slowloris guard).")
+    http_body_timeout: float = _f(60.0, "Close connections whose request body is not complete within "
+                                  "this many seconds after its headers.")
+    http_send_timeout: float = _f(60.0, "Close connections that read none of the response for this many "
+                                  "seconds (their request is aborted).")
+    max_connections: int = _f(1024, "Open HTTP connections at most; more are closed at once.")
     # --- kernels and features
     attention_backend: str | None = _f(None, "Attention kernels (default: flashinfer on CUDA, else torch_native).",
                                        ATTENTION_BACKENDS)
@@ -69,6 +81,7 @@ class ServerArgs:
     grammar_backend: str = _f("outlines", "Grammar backend for regex / JSON / EBNF constraints.",
                               GRAMMAR_BACKEND_NAMES)
     max_constraint_bytes: int = _f(64 * 1024, "Refuse regex / JSON schema / EBNF constraints larger than this.")
+    grammar_compile_memory_mb: int = _f(2048, "Memory limit of one grammar compile (its worker is replaced).")
     sampling_defaults: str = _f("openai", "Defaults for unset sampling params: 'model' reads "
                                 "generation_config.json, 'openai' uses the OpenAI defaults.", ("openai", "model"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
@@ -165,12 +178,25 @@ class ServerArgs:
             raise ValueError("--max-total-tokens is too small")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_top_logprobs < 0 or self.max_connections < 1:
+            raise ValueError("--max-top-logprobs must be >= 0 and --max-connections >= 1")
+        if min(self.http_header_timeout, self.http_body_timeout, self.http_send_timeout) <= 0:
+            raise ValueError("--http-header-timeout, --http-body-timeout and --http-send-timeout must be > 0")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported; use auto or the model dtype")
+        self._validate_kv_cache_dtype()
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
+
+    def _validate_kv_cache_dtype(self) -> None:
+        """--kv-cache-dtype may only name the dtype the model runs in (the KV cache always uses it)."""
+        if self.kv_cache_dtype == "auto":
+            return
+        wanted = _DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        model_dtype = self.dtype if self.dtype != "auto" else _config_dtype(self.model_path)
+        if wanted != model_dtype:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: the KV cache uses the "
+                             f"model dtype ({model_dtype or 'unknown'}); pass auto or that dtype")
 
     @property
     def model_name(self) -> str:
@@ -179,6 +205,21 @@ class ServerArgs:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _config_dtype(model_path: str | None) -> str | None:
+    """The dtype named by a local model's config.json (float32 when it names none), or None."""
+    import json
+
+    try:
+        with open(os.path.join(model_path or default_model_path(), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def _arg_type(annotation: str) -> Any:

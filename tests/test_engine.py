@@ -273,7 +273,7 @@ def test_flush_cache_and_server_info(engine):
     (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus"),
     (dict(prompt=["a", "b"], sampling_params=[{}, {}, {}]), "one entry per prompt"),
     (dict(prompt="hi", input_ids=[1, 2]), "Exactly one"),
-    (dict(prompt="hi", sampling_params={"stop_token_ids": [5000]}), "out of range"),
+    (dict(prompt="hi", sampling_params={"logit_bias": {"5000": 1.0}}), "out of range"),
 ])
 def test_bad_input_raises_value_error(engine, kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):

@@ -34,7 +34,6 @@ from radixlm.runtime.entrypoints.middleware import GuardMiddleware, RequestLogMi
 from radixlm.runtime.entrypoints.openai_api import OpenAIServing
 from radixlm.runtime.entrypoints.openai_format import DONE, SSEResponse, sse
 from radixlm.runtime.entrypoints.openai_protocol import (
-    UNSUPPORTED_GENERATE_FIELDS,
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +41,7 @@ from radixlm.runtime.entrypoints.openai_protocol import (
 )
 from radixlm.runtime.entrypoints.server_info import health_generate, server_info
 from radixlm.runtime.entrypoints.tokenize_routes import add_tokenize_routes
+from radixlm.runtime.managers.generate_fields import UnsupportedFieldError, check_extra_fields
 from radixlm.runtime.managers.io_struct import GenerateReqInput
 from radixlm.runtime.metrics import MetricsCollector
 from radixlm.runtime.server_args import ServerArgs
@@ -137,10 +137,12 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
 
 
 async def _generate(st: ServerState, body: GenerateRequest, request: Request) -> Response:
-    for name in UNSUPPORTED_GENERATE_FIELDS:
-        if getattr(body, name) not in (None, False, [], {}):
-            raise APIError(400, f"'{name}' is not supported by radixlm", param=name)
-    fields = body.model_dump(exclude=set(UNSUPPORTED_GENERATE_FIELDS))
+    extra = body.model_extra or {}
+    try:
+        check_extra_fields(extra)
+    except UnsupportedFieldError as e:
+        raise APIError(400, str(e), param=e.field) from None
+    fields = body.model_dump(exclude=set(extra))
     obj = GenerateReqInput(**fields)
     stream = st.tm.generate(obj, request)
     try:

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from radixlm.runtime.entrypoints.chat_template import CHAT_TEMPLATES
+from radixlm.runtime.entrypoints.http_limits import HttpLimits, limited_h11_protocol
 from radixlm.runtime.entrypoints.http_server import ServerState, create_app
 from radixlm.runtime.entrypoints.server_info import capacity_report, format_capacity, health_generate
 from radixlm.runtime.server_args import ServerArgs
@@ -113,6 +114,7 @@ class ServerLifecycle:
         self.state = app.state.server
         config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
                                 log_level=self.args.log_level_http or self.args.log_level,
+                                http=limited_h11_protocol(HttpLimits.from_args(self.args)),
                                 access_log=self.args.enable_access_log, lifespan="off", timeout_keep_alive=5,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096)
         self.server = _make_uvicorn_server(config, self)
@@ -137,7 +139,8 @@ class ServerLifecycle:
             self.exit_code = 1
             self.server.should_exit = True
             return
-        logger.info(READY_LINE)
+        gc.freeze()     # startup objects (model config, tokenizer, modules) leave the GC's scans:
+        logger.info(READY_LINE)     # full collections under load stay short
 
     # ------------------------------------------------------------------ events
     def on_signal(self, signum: int, _frame: Any) -> None:

@@ -150,7 +150,7 @@ class SamplingBatchInfo:
         ids: list[int] = []
         for i, (p, out) in enumerate(zip(params, output_ids, strict=True)):
             if len(out) < p.min_new_tokens:
-                banned = sorted({*eos_token_ids, *p.stop_token_ids})
+                banned = sorted(t for t in {*eos_token_ids, *p.stop_token_ids} if t < self.vocab_size)  # others never occur
                 rows.extend([i] * len(banned))
                 ids.extend(banned)
         if rows:

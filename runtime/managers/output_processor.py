@@ -8,7 +8,9 @@ For each request of the step, with [p, p + n) the tokens just computed:
 
 from __future__ import annotations
 
+import re
 import time
+from functools import lru_cache
 
 import torch
 
@@ -147,6 +149,8 @@ class OutputProcessor:
                     if s in tail:
                         req.finished_reason = {"type": "stop", "matched": s}
                         return
+            if sp.stop_regex and self._match_stop_regex(req):
+                return
         if out_len >= sp.max_new_tokens:
             req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
         elif req.seq_len >= self.context_len:
@@ -159,6 +163,19 @@ class OutputProcessor:
     def _stop_window(stops: list[str]) -> int:
         return max(len(s) for s in stops) + STOP_STR_LOOKBACK_TOKENS
 
+    def _match_stop_regex(self, req: Req) -> bool:
+        """Stop at the first `stop_regex` match in the output text (a window of it when every
+        pattern's match length is bounded, else all of it); `matched` is the pattern."""
+        sp = req.sampling_params
+        window = stop_regex_window(sp.stop_regex)
+        ids = req.output_ids if window is None else req.output_ids[-(window + STOP_STR_LOOKBACK_TOKENS):]
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        for pattern in sp.stop_regex:
+            if re.search(pattern, text):
+                req.finished_reason = {"type": "stop", "matched": pattern}
+                return True
+        return False
+
     # ------------------------------------------------------------ emitting
     @staticmethod
     def make_output(req: Req) -> ReqTokenOut:
@@ -169,6 +186,7 @@ class OutputProcessor:
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop_strs=list(sp.stop),
+            stop_regex=list(sp.stop_regex),
             no_stop_trim=sp.no_stop_trim, jump_forward_tokens=req.jump_forward_tokens,
             forward_passes=req.forward_passes)
         if req.return_logprob:
@@ -189,7 +207,28 @@ class OutputProcessor:
             return True
         if len(req.output_ids) <= req.sent_len:
             return False
-        return req.stream or not req.sent_first
+        if not req.sent_first:
+            return True
+        interval = req.sampling_params.stream_interval or 1
+        return req.stream and len(req.output_ids) - req.sent_len >= interval
+
+
+@lru_cache(maxsize=1024)
+def _max_match_len(pattern: str) -> int | None:
+    """Most characters one match of `pattern` can span, or None when unbounded (or unknown)."""
+    from re import _constants, _parser  # sre_parse's modules (sre_parse itself is deprecated)
+
+    try:
+        _, high = _parser.parse(pattern).getwidth()
+    except Exception:  # noqa: BLE001
+        return None
+    return None if high >= _constants.MAXREPEAT else int(high)
+
+
+def stop_regex_window(patterns: list[str]) -> int | None:
+    """Tokens to decode for the stop_regex check (a token spans at least one character)."""
+    widths = [_max_match_len(p) for p in patterns]
+    return None if any(w is None for w in widths) else max(widths, default=0)
 
 
 def now() -> float:

@@ -22,8 +22,8 @@ FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "2048", "-
 USER = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Weather in Paris?"}]
 
 
-tools_server = server_fixture(*FLAGS, model="qwen2_path")
-thinking_server = server_fixture(*FLAGS, "--reasoning-parser", "qwen3", model="qwen2_path")
+tools_server = server_fixture(*FLAGS, model="qwen2_path", timeout=600)
+thinking_server = server_fixture(*FLAGS, "--reasoning-parser", "qwen3", model="qwen2_path", timeout=600)
 
 
 @pytest.fixture(scope="module")

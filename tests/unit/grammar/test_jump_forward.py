@@ -30,7 +30,7 @@ def test_jump_forward_forced_text_and_tokens(backend: GrammarBackend, grammar_to
     grammar = backend.compile("json_schema", json.dumps(LONG_KEYS))
     matcher = grammar.new_matcher()
     forced = matcher.find_jump_forward()
-    assert forced == '{"customer_full_name":"'
+    assert forced == '{"customer_full_name": "'
     tokens = matcher.jump_forward_tokens("")
     assert tokens == grammar_tokenizer.encode(forced, add_special_tokens=False)
     assert grammar_tokenizer.decode(tokens) == forced
