@@ -32,7 +32,7 @@ from radixlm.testing.server import (  # noqa: F401 - re-exported for the tests
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(model_path: str | None, *extra_args: str, api_key: str | None = None, timeout: float = 180.0,
+def start_server(model_path: str | None, *extra_args: str, api_key: str | None = None, timeout: float = 300.0,
                  env: dict[str, str] | None = None) -> ServerProcess:
     """Launches `python -m radixlm.launch_server` on 127.0.0.1:<free port> and waits until ready."""
     return launch_server_process(model_path, *extra_args, api_key=api_key, timeout=timeout, env=env,
@@ -40,7 +40,7 @@ def start_server(model_path: str | None, *extra_args: str, api_key: str | None =
 
 
 def server_fixture(*flags: str, model: str | Callable[[], str] = "llama_path", api_key: str | None = None,
-                   env: dict[str, str] | None = None, clean_exit: bool = False, timeout: float = 180.0,
+                   env: dict[str, str] | None = None, clean_exit: bool = False, timeout: float = 300.0,
                    more_flags: Callable[[pytest.FixtureRequest], Sequence[str]] | None = None) -> Any:
     """A module-scoped server fixture (assign it to the fixture's name): the model is the fixture
     named `model` (or `model()` when callable), with `flags` (plus `more_flags(request)`, for flags
