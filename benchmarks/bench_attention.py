@@ -63,19 +63,19 @@ def build(shape: tuple[int, int, int], bs: int, ctx: int, extend_len: int, layer
 
 
 def time_pass(backend: TorchNativeAttnBackend, fb: ForwardBatch, q: torch.Tensor, layers: list[RadixAttention],
-              repeats: int) -> float:
+              repeats: int, clock=time.perf_counter) -> float:
     """Best-of-`repeats` seconds per layer for one pass (metadata + every layer's attention)."""
     fb.attn_backend = backend
     best = float("inf")
     for _ in range(repeats + 1):                 # +1: warm-up
-        t0 = time.perf_counter()
+        t0 = clock()
         backend.init_forward_metadata(fb)
         for layer in layers:
             if fb.forward_mode.is_decode:
                 backend.forward_decode(q, layer, fb)
             else:
                 backend.forward_extend(q, layer, fb)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best / len(layers)
 
 
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (steadier on a shared machine; use with --threads 1)")
     ap.add_argument("--output", help="write JSON results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -102,17 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     torch_path = TorchNativeAttnBackend(use_kernels=False)
     dtype = getattr(torch, args.dtype)
     extend_len = 1 if args.mode == "decode" else args.extend_len
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     busy0 = cpu_busy()
     rows = []
     print(f"# {args.mode}, {args.dtype}, page_size {args.page_size}, {torch.get_num_threads()} threads, "
-          f"ISA {kernel.kernels.isa()}; ms per layer (best of {args.repeats})")
+          f"ISA {kernel.kernels.isa()}; {args.clock} ms per layer (best of {args.repeats})")
     print(f"{'shape':<14} {'batch':>5} {'context':>7} {'torch ms':>9} {'kernel ms':>9} {'speedup':>8}")
     for name in args.shapes:
         for bs in args.batch:
             for ctx in args.context:
                 fb, q, layers = build(SHAPES[name], bs, ctx, extend_len, args.layers, args.page_size, dtype)
-                t_torch = time_pass(torch_path, fb, q, layers, args.repeats)
-                t_kernel = time_pass(kernel, fb, q, layers, args.repeats)
+                t_torch = time_pass(torch_path, fb, q, layers, args.repeats, clock)
+                t_kernel = time_pass(kernel, fb, q, layers, args.repeats, clock)
                 rows.append({"shape": name, "batch": bs, "context": ctx, "torch_ms": t_torch * 1e3,
                              "kernel_ms": t_kernel * 1e3, "speedup": t_torch / t_kernel})
                 print(f"{name:<14} {bs:>5} {ctx:>7} {t_torch * 1e3:>9.3f} {t_kernel * 1e3:>9.3f} "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,15 +60,30 @@ class ServerArgs:
     max_queued_requests: int | None = _f(None, "Reject new requests with 503 when this many are waiting.")
     request_timeout: float | None = _f(None, "Abort requests that run longer than this many seconds.")
     max_request_bytes: int = _f(8 * 1024 * 1024, "Refuse HTTP bodies larger than this with 413.")
+    max_top_logprobs: int = _f(20, "Largest top_logprobs_num a request may ask for (400 above).")
+    max_response_bytes: int = _f(64 * 1024 * 1024, "Abort a request whose output would grow past this "
+                                 "many bytes (estimated: text + logprob entries).")
+    max_stream_buffer_bytes: int = _f(4 * 1024 * 1024, "Abort a stream once this much output waits "
+                                      "unread by its client (estimated bytes).")
+    http_header_timeout: float = _f(10.0, "Close connections whose request headers are not complete "
+                                    "within this many seconds (slowloris guard).")
+    http_body_timeout: float = _f(60.0, "Close connections whose request body is not complete within "
+                                  "this many seconds after its headers.")
+    http_send_timeout: float = _f(60.0, "Close connections that read none of the response for this many "
+                                  "seconds (their request is aborted).")
+    max_connections: int = _f(1024, "Open HTTP connections at most; more are closed at once.")
     # --- kernels and features
     attention_backend: str | None = _f(None, "Attention kernels (default: flashinfer on CUDA, else torch_native).",
                                        ATTENTION_BACKENDS)
+    enable_torch_compile: bool = _f(False, "Compile the decode forward with torch.compile (inductor), once per "
+                                    "batch-size class; the first decode pays the compile time (logged).")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
     grammar_compile_timeout: float = _f(30.0, "Seconds allowed to compile one regex / JSON schema.")
     constrained_json_whitespace_pattern: str | None = _f(None, "Regex for whitespace allowed inside JSON output.")
     grammar_backend: str = _f("outlines", "Grammar backend for regex / JSON / EBNF constraints.",
                               GRAMMAR_BACKEND_NAMES)
     max_constraint_bytes: int = _f(64 * 1024, "Refuse regex / JSON schema / EBNF constraints larger than this.")
+    grammar_compile_memory_mb: int = _f(2048, "Memory limit of one grammar compile (its worker is replaced).")
     sampling_defaults: str = _f("openai", "Defaults for unset sampling params: 'model' reads "
                                 "generation_config.json, 'openai' uses the OpenAI defaults.", ("openai", "model"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
@@ -91,7 +105,10 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
     log_level: str = _f("info", "Log level.", ("debug", "info", "warning", "error"))
-    log_requests: bool = _f(False, "Log every request's inputs and outputs (debug aid).")
+    log_requests: bool = _f(False, "Log every request's method, route and body (debug aid; bodies hold prompts).")
+    log_level_http: str | None = _f(None, "Log level of the HTTP server (uvicorn); default: --log-level.",
+                                    ("debug", "info", "warning", "error"))
+    enable_access_log: bool = _f(False, "Log one uvicorn access line per HTTP request (method, path, status).")
     decode_log_interval: int = _f(40, "Log a decode batch line every this many decode steps (0: never).")
     enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
     random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
@@ -163,12 +180,27 @@ class ServerArgs:
             raise ValueError("--max-total-tokens is too small")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_top_logprobs < 0 or self.max_connections < 1:
+            raise ValueError("--max-top-logprobs must be >= 0 and --max-connections >= 1")
+        if min(self.http_header_timeout, self.http_body_timeout, self.http_send_timeout) <= 0:
+            raise ValueError("--http-header-timeout, --http-body-timeout and --http-send-timeout must be > 0")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported; use auto or the model dtype")
+        self._validate_kv_cache_dtype()
+        if self.grammar_backend == "llguidance":
+            raise ValueError("--grammar-backend llguidance is not supported; use outlines (default) or xgrammar")
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
+
+    def _validate_kv_cache_dtype(self) -> None:
+        """--kv-cache-dtype may only name the dtype the model runs in (the KV cache always uses it)."""
+        if self.kv_cache_dtype == "auto":
+            return
+        wanted = _DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        model_dtype = self.dtype if self.dtype != "auto" else _config_dtype(self.model_path)
+        if wanted != model_dtype:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: the KV cache uses the "
+                             f"model dtype ({model_dtype or 'unknown'}); pass auto or that dtype")
 
     @property
     def model_name(self) -> str:
@@ -177,6 +209,21 @@ class ServerArgs:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _config_dtype(model_path: str | None) -> str | None:
+    """The dtype named by a local model's config.json (float32 when it names none), or None."""
+    import json
+
+    try:
+        with open(os.path.join(model_path or default_model_path(), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def _arg_type(annotation: str) -> Any:
@@ -197,9 +244,5 @@ def default_model_path() -> str:
     import radixlm
 
     return os.path.join(os.path.dirname(radixlm.__file__), "demo_model")
-
-
-def make_ipc_dir() -> str:
-    return tempfile.mkdtemp(prefix="radixlm-ipc-")
 
 

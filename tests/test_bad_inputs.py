@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 API_KEY = "sk-test-7f3a9c"
 MAX_BYTES = 65536
@@ -44,7 +44,10 @@ CASES = [
     ("ids-not-ints", "POST", G, {"input_ids": ["a", "b"]}, None, 400, "input_ids"),
     ("stream-not-bool", "POST", G, {"text": "a", "stream": "yes"}, None, 400, "stream"),
     ("sampling-params-not-object", "POST", G, {"text": "a", "sampling_params": 3}, None, 400, "sampling_params"),
-    ("unknown-field", "POST", G, {"text": "a", "prompt": "b"}, None, 400, "Unknown field 'prompt'"),
+    ("unsupported-image", "POST", G, {"text": "a", "image_data": "x.png"}, None, 400, "'image_data' is not supported"),
+    ("unsupported-hidden", "POST", G, {"text": "a", "return_hidden_states": True}, None, 400, "return_hidden_states"),
+    ("beam-search", "POST", G, gen(beam_width=4), None, 400, "beam_width"),
+    ("invalid-stop-regex", "POST", G, gen(stop_regex="(a"), None, 400, "stop_regex"),
     ("unknown-sampling-param", "POST", G, gen(temprature=0.5), None, 400, "temprature"),
     ("unsupported-lora", "POST", G, {"text": "a", "lora_path": "x"}, None, 400, "lora_path"),
     ("text-and-ids", "POST", G, {"text": "a", "input_ids": [1]}, None, 400, "Exactly one"),
@@ -128,11 +131,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS, api_key=API_KEY)
-    yield srv
-    srv.stop()
+server = server_fixture(*SERVER_FLAGS, api_key=API_KEY)
 
 
 def send(server: ServerProcess, method: str, path: str, body: dict | bytes | None,

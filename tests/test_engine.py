@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import radixlm
+from radixlm.testing.server import pid_alive
 
 pytestmark = pytest.mark.timeout(180)     # a hang (a lost wake-up, a dead child) fails, never blocks
 
@@ -272,7 +273,7 @@ def test_flush_cache_and_server_info(engine):
     (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus"),
     (dict(prompt=["a", "b"], sampling_params=[{}, {}, {}]), "one entry per prompt"),
     (dict(prompt="hi", input_ids=[1, 2]), "Exactly one"),
-    (dict(prompt="hi", sampling_params={"stop_token_ids": [5000]}), "out of range"),
+    (dict(prompt="hi", sampling_params={"logit_bias": {"5000": 1.0}}), "out of range"),
 ])
 def test_bad_input_raises_value_error(engine, kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):
@@ -297,14 +298,6 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 # ------------------------------------------------------------------ failures
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):

@@ -209,3 +209,21 @@ def test_concurrent_shared_prefix_is_prefilled_once(llama_path):
     res = h.run()
     cached = sorted(res[f"c{i}"]["cached_tokens"] for i in range(8))
     assert cached[0] == 0 and all(c >= 192 for c in cached[1:]), cached
+
+
+def test_operator_log_lines(llama_path, caplog):
+    import logging
+    import re
+
+    h = SchedulerHarness(llama_path, decode_log_interval=3)
+    for i, p in enumerate(random_prompts(3, 1900, seed=13, lo=10, hi=20)):
+        h.submit(f"r{i}", p, max_new_tokens=8, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="radixlm.scheduler"):
+        h.run()
+    prefill = [m for m in caplog.messages if m.startswith("Prefill batch.")]
+    decode = [m for m in caplog.messages if m.startswith("Decode batch.")]
+    assert prefill and re.fullmatch(r"Prefill batch\. #new-seq: 3, #new-token: \d+, #cached-token: 0, "
+                                    r"token usage: [\d.]+, #running-req: 0, #queue-req: 0", prefill[0]), prefill
+    assert len(decode) == 7 // 3, decode        # 7 decode steps after the prefill, one line per 3
+    assert re.fullmatch(r"Decode batch\. #running-req: 3, #token: \d+, token usage: [\d.]+, "
+                        r"gen throughput \(token/s\): [\d.]+, #queue-req: 0", decode[0]), decode

@@ -5,7 +5,7 @@ disabled or cannot be built; callers then use the torch code. The module has:
 
     decode(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, num_splits)
     extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens, qo_indptr, scale)
-    decode_num_splits(bs, kv_heads, max_seq_len), isa()
+    decode_num_splits(bs, max_seq_len), isa()
 
 The same two ops are registered as `torch.ops.radixlm.cpu_paged_decode` / `cpu_paged_extend`
 (custom ops that mutate `out`) so a torch.compile'd forward keeps them in one graph.

@@ -12,8 +12,8 @@
 //
 // GQA: the G = heads / kv_heads query heads of a kv head are processed together, so each K/V
 // row is read once for all of them. Math is fp32 with an online softmax over key blocks of kBlk.
-// Work is split over (request, kv head, kv split) for decode, (request, kv head, query block)
-// for extend, on torch's intra-op threads; decode splits combine by log-sum-exp.
+// Work is split over (request, kv split) for decode (every kv head in one task: a slot's rows
+// for all kv heads are adjacent), (request, kv head, query block) for extend, on torch's intra-op threads; decode splits combine by log-sum-exp.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -73,67 +74,148 @@ inline void store_out(void* dst, const float* src, bool is_bf16, int D, float mu
   }
 }
 
-// One key block for one query vector: s[0, n) are scores (-inf where masked). Rewrites s as
-// exp(s - m_new), updates the running max m and sum l, and returns the factor for the old acc.
-inline float softmax_block(float* s, int n, float& m, float& l) {
-  float bm = kNegInf;
-  for (int t = 0; t < n; ++t) bm = std::max(bm, s[t]);
+// One key block for one query vector: s[0, kBlk) are scores, -inf where masked or past the
+// block's end. Rewrites s as exp(s - m_new) (0 where masked), updates the running max m and
+// sum l, and returns the factor for the old acc.
+inline float softmax_block(float* s, float& m, float& l) {
+  fvec mx = fvec::set1(kNegInf);
+  for (int t = 0; t < kBlk; t += fvec::N) mx = vmax(mx, fvec::load(s + t));
+  const float bm = mx.hmax();
   if (bm == kNegInf) {          // fully masked block: contributes nothing
-    for (int t = 0; t < n; ++t) s[t] = 0.f;
+    for (int t = 0; t < kBlk; t += fvec::N) fvec::zero().store(s + t);
     return 1.f;
   }
   const float mn = std::max(m, bm);
   const float alpha = (m == kNegInf) ? 0.f : std::exp(m - mn);
   const fvec mv = fvec::set1(mn);
-  for (int t = 0; t < n; t += fvec::N) vexp(fvec::load(s + t) - mv).store(s + t);
-  float sum = 0.f;
-  for (int t = 0; t < n; ++t) sum += s[t];
-  l = l * alpha + sum;
+  fvec sum = fvec::zero();
+  for (int t = 0; t < kBlk; t += fvec::N) {
+    const fvec e = vexp(fvec::load(s + t) - mv);
+    e.store(s + t);
+    sum = sum + e;
+  }
+  l = l * alpha + sum.sum();
   m = mn;
   return alpha;
 }
 
-// acc[0, D) = acc * alpha + sum_t p[t] * vf[t, :]
-template <int D>
-inline void pv_accum(float* acc, float alpha, const float* p, const float* vf, int n) {
-  constexpr int NV = D / fvec::N;
-  fvec a[NV];
-  const fvec al = fvec::set1(alpha);
-  for (int i = 0; i < NV; ++i) a[i] = fvec::load(acc + i * fvec::N) * al;
-  for (int t = 0; t < n; ++t) {
-    const fvec pt = fvec::set1(p[t]);
-    const float* vr = vf + t * D;
-    for (int i = 0; i < NV; ++i) a[i] = fmadd(pt, fvec::load(vr + i * fvec::N), a[i]);
-  }
-  for (int i = 0; i < NV; ++i) a[i].store(acc + i * fvec::N);
+#if defined(RADIXLM_AVX512)
+constexpr int kAccRegs = 16;    // accumulator registers the PV loop may hold
+#else
+constexpr int kAccRegs = 8;
+#endif
+
+constexpr int pow2_floor(int x) { return x >= 16 ? 16 : x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
+
+// Software prefetch of one K or V row (D elements) into L1: paged rows are scattered, and the
+// hardware prefetchers do not follow the slot table.
+template <int D, typename kv_t>
+inline void prefetch_row(const kv_t* row) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int b = 0; b < static_cast<int>(D * sizeof(kv_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-// vf[t, :] = float(V row of slots[t]) for t < n: a block-local staging of at most kBlk rows.
-template <int D, typename kv_t>
-inline void load_v_block(float* vf, const kv_t* v, const int32_t* slots, int n, int64_t s0, int64_t off) {
+// One key block [j0, j0 + n) for GB query vectors (qf, acc, s, m, l each start at this group):
+// scores, causal mask (key j is visible to vector g iff j <= lim[g]), online softmax, and PV.
+// K/V rows are read in place from their slots; the GB query vectors sit in registers so that
+// each K/V row is loaded once for all of them.
+template <typename kv_t, int D, int GB>
+inline void attend_group(const float* qf, float* acc, float* s, float* m, float* l, const int64_t* lim,
+                         const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
+                         int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next) {
+  constexpr int NV = D / fvec::N;
+  // scores: s[g * kBlk + t] = qf[g] . K[slot t]; meanwhile prefetch this block's V rows and the
+  // next block's K rows (slots[kBlk + t], n_next of them; 0 when this is not the first group)
   for (int t = 0; t < n; ++t) {
-    const kv_t* r = v + static_cast<int64_t>(slots[t]) * s0 + off;
-    for (int i = 0; i < D / fvec::N; ++i) fvec::load(r + i * fvec::N).store(vf + t * D + i * fvec::N);
+    if (n_next >= 0) {
+      prefetch_row<D>(v + static_cast<int64_t>(slots[t]) * v_s0 + v_off);
+      if (t < n_next) prefetch_row<D>(k + static_cast<int64_t>(slots[kBlk + t]) * k_s0 + k_off);
+    }
+    const kv_t* kr = k + static_cast<int64_t>(slots[t]) * k_s0 + k_off;
+    fvec a[4];
+    for (int g = 0; g < 4; ++g) a[g] = fvec::zero();
+    for (int i = 0; i < NV; ++i) {
+      const fvec kv = fvec::load(kr + i * fvec::N);
+      for (int g = 0; g < GB; ++g) a[g] = fmadd(fvec::load(qf + g * D + i * fvec::N), kv, a[g]);
+    }
+    float dots[4];
+    sum4(a, dots);
+    for (int g = 0; g < GB; ++g) s[g * kBlk + t] = dots[g];
+  }
+  float alpha[GB];
+  for (int g = 0; g < GB; ++g) {
+    // -inf past the block's end and where causally masked (keys j > lim[g])
+    for (int t = std::min<int64_t>(n, std::max<int64_t>(0, lim[g] + 1 - j0)); t < kBlk; ++t) s[g * kBlk + t] = kNegInf;
+    alpha[g] = softmax_block(s + g * kBlk, m[g], l[g]);
+  }
+  // acc[g] = acc[g] * alpha[g] + sum_t p[g, t] * V[slot t], D split in chunks that fit registers
+  constexpr int NC = std::min(NV, pow2_floor(std::max(1, kAccRegs / GB)));
+  for (int c = 0; c < NV; c += NC) {
+    fvec o[GB][NC];
+    for (int g = 0; g < GB; ++g) {
+      const fvec al = fvec::set1(alpha[g]);
+      for (int i = 0; i < NC; ++i) o[g][i] = fvec::load(acc + g * D + (c + i) * fvec::N) * al;
+    }
+    for (int t = 0; t < n; ++t) {
+      const kv_t* vr = v + static_cast<int64_t>(slots[t]) * v_s0 + v_off + c * fvec::N;
+      fvec vv[NC];
+      for (int i = 0; i < NC; ++i) vv[i] = fvec::load(vr + i * fvec::N);
+      for (int g = 0; g < GB; ++g) {
+        const fvec pt = fvec::set1(s[g * kBlk + t]);
+        for (int i = 0; i < NC; ++i) o[g][i] = fmadd(pt, vv[i], o[g][i]);
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int i = 0; i < NC; ++i) o[g][i].store(acc + g * D + (c + i) * fvec::N);
   }
 }
 
-// s[qv * kBlk + t] = qf[qv] . K[slot t] for the query vectors qv in [qv_first, nq)
+// One key block for query vectors [0, nq), in register groups of up to 4. lim[qv] must be
+// nondecreasing in qv; groups that see none of the block are skipped. `n_next`: keys in the
+// next block (their slots follow at slots[kBlk...]), prefetched during the first group.
+template <typename kv_t, int D>
+inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m, float* l, const int64_t* lim,
+                         const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
+                         int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next, bool first) {
+  if (first) {  // nothing prefetched this block's K rows yet
+    for (int t = 0; t < n; ++t) prefetch_row<D>(k + static_cast<int64_t>(slots[t]) * k_s0 + k_off);
+  }
+  int pf = n_next;  // -1: no prefetching at all
+  for (int q0 = 0; q0 < nq; q0 += 4) {
+    const int gb = std::min(4, nq - q0);
+    if (lim[q0 + gb - 1] < j0) continue;
+#define RADIXLM_GROUP(GB)                                                                           \
+  attend_group<kv_t, D, GB>(qf + q0 * D, acc + q0 * D, s + q0 * kBlk, m + q0, l + q0, lim + q0, k, v, \
+                            slots, j0, n, k_s0, k_off, v_s0, v_off, pf)
+    switch (gb) {
+      case 4: RADIXLM_GROUP(4); break;
+      case 3: RADIXLM_GROUP(3); break;
+      case 2: RADIXLM_GROUP(2); break;
+      default: RADIXLM_GROUP(1); break;
+    }
+#undef RADIXLM_GROUP
+    pf = -1;
+  }
+}
+
+// dst[t, :] = float(row of slots[t]) for t < n: a block-local fp32 copy (at most kBlk rows), so
+// that many query groups do not each convert the same bf16 rows again.
 template <int D, typename kv_t>
-inline void qk_row(float* s, const float* qf, const kv_t* kr_ptr, int qv_first, int nq, int t) {
-  constexpr int NV = D / fvec::N;
-  fvec kr[NV];
-  for (int i = 0; i < NV; ++i) kr[i] = fvec::load(kr_ptr + i * fvec::N);
-  for (int qv = qv_first; qv < nq; ++qv) {
-    const float* qp = qf + qv * D;
-    fvec a = fvec::zero();
-    for (int i = 0; i < NV; ++i) a = fmadd(fvec::load(qp + i * fvec::N), kr[i], a);
-    s[qv * kBlk + t] = a.sum();
+inline void stage_rows(float* dst, const kv_t* src, const int32_t* slots, int n, int64_t s0, int64_t off) {
+  for (int t = 0; t < n; ++t) {
+    const kv_t* r = src + static_cast<int64_t>(slots[t]) * s0 + off;
+    for (int i = 0; i < D / fvec::N; ++i) fvec::load(r + i * fvec::N).store(dst + t * D + i * fvec::N);
   }
 }
 
 struct Scratch {
-  std::vector<float> qf, acc, s, vf, m, l, alpha;
-  Scratch(int nq, int D) : qf(nq * D), acc(nq * D), s(nq * kBlk), vf(kBlk * D), m(nq), l(nq), alpha(nq) {}
+  std::vector<float> qf, acc, s, m, l, kf, vf;
+  std::vector<int64_t> lim;  // last visible key index per query vector
+  std::vector<int32_t> iota;  // 0..kBlk-1: the "slots" of a staged block
+  Scratch(int nq, int D)
+      : qf(nq * D), acc(nq * D), s(nq * kBlk), m(nq), l(nq), kf(kBlk * D), vf(kBlk * D), lim(nq), iota(kBlk) {
+    for (int t = 0; t < kBlk; ++t) iota[t] = t;
+  }
   void reset(int nq, int D) {
     std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
     std::fill(m.begin(), m.begin() + nq, kNegInf);
@@ -147,37 +229,41 @@ void decode_kernel(const Args& a) {
   const auto* k = static_cast<const kv_t*>(a.k);
   const auto* v = static_cast<const kv_t*>(a.v);
   const int G = static_cast<int>(a.G);
-  at::parallel_for(0, a.bs * a.KVH * a.S, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(G, D);
+  const int H = static_cast<int>(a.H);
+  // one task per (request, kv split), all kv heads inside: a slot's K/V rows for every kv head
+  // are adjacent in memory, so each key block is read from DRAM once
+  at::parallel_for(0, a.bs * a.S, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(H, D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (a.KVH * a.S), kvh = (task / a.S) % a.KVH, sp = task % a.S;
+      const int64_t b = task / a.S, sp = task % a.S;
       const int64_t L = a.seq_lens[b];
       const int64_t chunk = (L + a.S - 1) / a.S;
       const int64_t j_begin = std::min(L, sp * chunk), j_end = std::min(L, j_begin + chunk);
       const int32_t* tok = a.table + a.rows[b] * a.table_s0;
       const auto* qb = static_cast<const char*>(a.q);
       const int64_t qsz = a.q_bf16 ? 2 : 4;
-      for (int g = 0; g < G; ++g)
-        load_q(w.qf.data() + g * D, qb + (b * a.q_s0 + (kvh * G + g) * a.q_s1) * qsz, a.q_bf16, D, a.scale);
-      w.reset(G, D);
+      for (int h = 0; h < H; ++h)
+        load_q(w.qf.data() + h * D, qb + (b * a.q_s0 + h * a.q_s1) * qsz, a.q_bf16, D, a.scale);
+      w.reset(H, D);
+      std::fill(w.lim.begin(), w.lim.end(), L - 1);
       for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlk) {
         const int n = static_cast<int>(std::min<int64_t>(kBlk, j_end - j0));
-        for (int t = 0; t < n; ++t)
-          qk_row<D>(w.s.data(), w.qf.data(), k + static_cast<int64_t>(tok[j0 + t]) * a.k_s0 + kvh * a.k_s1, 0, G, t);
-        for (int g = 0; g < G; ++g) w.alpha[g] = softmax_block(w.s.data() + g * kBlk, n, w.m[g], w.l[g]);
-        load_v_block<D>(w.vf.data(), v, tok + j0, n, a.v_s0, kvh * a.v_s1);
-        for (int g = 0; g < G; ++g)
-          pv_accum<D>(w.acc.data() + g * D, w.alpha[g], w.s.data() + g * kBlk, w.vf.data(), n);
+        const int n_next = static_cast<int>(std::min<int64_t>(kBlk, std::max<int64_t>(0, j_end - j0 - kBlk)));
+        for (int64_t kvh = 0; kvh < a.KVH; ++kvh) {
+          const int64_t h0 = kvh * G;  // query heads [h0, h0 + G) read this kv head
+          attend_block<kv_t, D>(G, w.qf.data() + h0 * D, w.acc.data() + h0 * D, w.s.data() + h0 * kBlk,
+                                w.m.data() + h0, w.l.data() + h0, w.lim.data() + h0, k, v, tok + j0, j0, n,
+                                a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == j_begin);
+        }
       }
-      for (int g = 0; g < G; ++g) {
-        const int64_t h = kvh * G + g;
-        const float inv = w.l[g] > 0.f ? 1.f / w.l[g] : 0.f;
+      for (int h = 0; h < H; ++h) {
+        const float inv = w.l[h] > 0.f ? 1.f / w.l[h] : 0.f;
         if (a.S == 1) {
-          store_out(static_cast<char*>(a.out) + (b * a.o_s0 + h * a.o_s1) * qsz, w.acc.data() + g * D, a.q_bf16, D, inv);
+          store_out(static_cast<char*>(a.out) + (b * a.o_s0 + h * a.o_s1) * qsz, w.acc.data() + h * D, a.q_bf16, D, inv);
         } else {
           const int64_t idx = (b * a.H + h) * a.S + sp;
-          store_out(a.part_o + idx * D, w.acc.data() + g * D, false, D, inv);
-          a.part_lse[idx] = w.l[g] > 0.f ? w.m[g] + std::log(w.l[g]) : kNegInf;
+          store_out(a.part_o + idx * D, w.acc.data() + h * D, false, D, inv);
+          a.part_lse[idx] = w.l[h] > 0.f ? w.m[h] + std::log(w.l[h]) : kNegInf;
         }
       }
     }
@@ -235,20 +321,19 @@ void extend_kernel(const Args& a) {
                  a.q_bf16, D, a.scale);
       w.reset(nq, D);
       // keys [0, p + i0 + nr): query row r (position p + i0 + r) sees keys j <= p + i0 + r
+      for (int qv = 0; qv < nq; ++qv) w.lim[qv] = p + i0 + qv / G;
       const int64_t k_end = p + i0 + nr;
       for (int64_t j0 = 0; j0 < k_end; j0 += kBlk) {
         const int n = static_cast<int>(std::min<int64_t>(kBlk, k_end - j0));
-        for (int t = 0; t < n; ++t) {
-          const int64_t j = j0 + t;
-          const int r_first = static_cast<int>(std::max<int64_t>(0, j - p - i0));  // rows < r_first: masked
-          for (int qv = 0; qv < r_first * G; ++qv) w.s[qv * kBlk + t] = kNegInf;
-          qk_row<D>(w.s.data(), w.qf.data(), k + static_cast<int64_t>(tok[j]) * a.k_s0 + kvh * a.k_s1, r_first * G, nq, t);
-        }
-        for (int qv = 0; qv < nq; ++qv) w.alpha[qv] = softmax_block(w.s.data() + qv * kBlk, n, w.m[qv], w.l[qv]);
-        load_v_block<D>(w.vf.data(), v, tok + j0, n, a.v_s0, kvh * a.v_s1);
-        for (int qv = 0; qv < nq; ++qv) {
-          if (p + i0 + qv / G < j0) continue;  // row sees none of this block
-          pv_accum<D>(w.acc.data() + qv * D, w.alpha[qv], w.s.data() + qv * kBlk, w.vf.data(), n);
+        const int n_next = static_cast<int>(std::min<int64_t>(kBlk, std::max<int64_t>(0, k_end - j0 - kBlk)));
+        if (std::is_same_v<kv_t, bf16> && nq > 8) {  // many groups: convert each bf16 row once
+          stage_rows<D>(w.kf.data(), k, tok + j0, n, a.k_s0, kvh * a.k_s1);
+          stage_rows<D>(w.vf.data(), v, tok + j0, n, a.v_s0, kvh * a.v_s1);
+          attend_block<float, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(),
+                                 w.kf.data(), w.vf.data(), w.iota.data(), j0, n, D, 0, D, 0, -1, false);
+        } else {
+          attend_block<kv_t, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(), k,
+                                v, tok + j0, j0, n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == 0);
         }
       }
       for (int r = 0; r < nr; ++r)
@@ -321,12 +406,12 @@ Args make_args(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const 
 
 }  // namespace
 
-// Splits per request for decode: enough (request, kv head, split) tasks to keep every thread
-// busy, with at least kMinSplitLen keys per split.
-int64_t decode_num_splits(int64_t bs, int64_t kv_heads, int64_t max_seq_len) {
+// Splits per request for decode: enough (request, split) tasks to keep every thread busy, with
+// at least kMinSplitLen keys per split.
+int64_t decode_num_splits(int64_t bs, int64_t max_seq_len) {
   constexpr int64_t kMinSplitLen = 64;
   const int64_t want_tasks = 8 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t work = std::max<int64_t>(1, bs * kv_heads);
+  const int64_t work = std::max<int64_t>(1, bs);
   if (work >= want_tasks) return 1;
   const int64_t s = (want_tasks + work - 1) / work;
   return std::max<int64_t>(1, std::min(s, max_seq_len / kMinSplitLen));
@@ -339,7 +424,7 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   const int D = static_cast<int>(q.size(2));
   if (a.bs == 0) return;
   const int64_t max_len = *std::max_element(a.seq_lens, a.seq_lens + a.bs);
-  a.S = num_splits > 0 ? num_splits : decode_num_splits(a.bs, a.KVH, max_len);
+  a.S = num_splits > 0 ? num_splits : decode_num_splits(a.bs, max_len);
   at::Tensor part_o, part_lse;
   if (a.S > 1) {
     part_o = at::empty({a.bs, a.H, a.S, D}, q.options().dtype(at::kFloat));

@@ -25,7 +25,16 @@ struct fvec {
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   float sum() const { return _mm512_reduce_add_ps(v); }
+  float hmax() const { return _mm512_reduce_max_ps(v); }
 };
+// out[0..4) = horizontal sums of a[0..4), in one shuffle tree
+inline void sum4(const fvec* a, float* out) {
+  __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0].v, a[1].v), _mm512_unpackhi_ps(a[0].v, a[1].v));
+  __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2].v, a[3].v), _mm512_unpackhi_ps(a[2].v, a[3].v));
+  __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44), _mm512_shuffle_ps(x01, x23, 0xEE));
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
 inline fvec operator+(fvec a, fvec b) { return _mm512_add_ps(a.v, b.v); }
 inline fvec operator-(fvec a, fvec b) { return _mm512_sub_ps(a.v, b.v); }
 inline fvec operator*(fvec a, fvec b) { return _mm512_mul_ps(a.v, b.v); }
@@ -63,7 +72,19 @@ struct fvec {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  float hmax() const {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
 };
+inline void sum4(const fvec* a, float* out) {
+  __m256 x01 = _mm256_add_ps(_mm256_unpacklo_ps(a[0].v, a[1].v), _mm256_unpackhi_ps(a[0].v, a[1].v));
+  __m256 x23 = _mm256_add_ps(_mm256_unpacklo_ps(a[2].v, a[3].v), _mm256_unpackhi_ps(a[2].v, a[3].v));
+  __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, 0x44), _mm256_shuffle_ps(x01, x23, 0xEE));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
+}
 inline fvec operator+(fvec a, fvec b) { return _mm256_add_ps(a.v, b.v); }
 inline fvec operator-(fvec a, fvec b) { return _mm256_sub_ps(a.v, b.v); }
 inline fvec operator*(fvec a, fvec b) { return _mm256_mul_ps(a.v, b.v); }

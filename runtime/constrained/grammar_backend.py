@@ -1,26 +1,23 @@
-"""Grammar backend on outlines-core: compile regex / JSON-schema constraints off the scheduler thread.
+"""Grammar backend (scheduler side): compile constraints off the scheduler thread, with an LRU cache.
 
 Flow for one request: the scheduler calls `request(kind, spec)` and gets a Future; the request waits in
-the grammar queue while `poll(future, started_at)` returns None; then it gets
-`CompiledGrammar.new_matcher()` (its own Guide over the shared Index), or a `GrammarError` that fails
-only that request (a 400 with the message).
+the grammar queue while `poll(future, started_at)` returns None; then it gets `new_matcher()` of the
+compiled grammar (an outlines-core `CompiledGrammar` or an `XGrammarCompiled`), or a `GrammarError`
+that fails only that request (a 400 with the message).
 
-- Compilation (JSON schema -> regex, then `outlines_core.Index`) runs in a ThreadPoolExecutor; the
-  Index build releases the GIL, so the scheduler loop keeps running.
-- Results (and errors) are cached LRU by (kind, spec), `max_cache` entries.
-- Compile time is bounded by `compile_timeout`: `poll` turns an expired wait into a GrammarError. The
-  worker thread cannot be interrupted; its result is still cached when it finishes.
-
-JSON whitespace. The default `whitespace_pattern` is "" (compact JSON: `{"a":1,"b":[2,3]}`). Output
-stays valid JSON, and since no optional whitespace may follow `{`, `,` or `:`, every key of a schema
-with fixed properties is forced text, which jump-forward appends without decode steps. Pass e.g.
-`"[ ]?"` (outlines' own default) to let the model place single spaces.
+- Size first: a constraint over `max_constraint_bytes` is refused before any work.
+- Compilation runs in worker processes (`CompilePool`): each compile has a deadline
+  (`compile_timeout`) after which its worker is killed and replaced, and a memory limit. The pool
+  thread turns the worker's payload back into an Index / CompiledGrammar. `num_workers=0` compiles
+  in threads of this process instead (no deadline enforcement; for tests and offline tools).
+- Which engine compiles what: see `engines.engine_for` (`--grammar-backend`).
+- Results and errors (timeouts included) are cached LRU by (kind, spec), `max_cache` entries, so a
+  constraint that timed out is refused at once the next time.
 """
 
 from __future__ import annotations
 
-import json
-import re
+import pickle
 import threading
 import time
 from collections import OrderedDict
@@ -29,27 +26,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import outlines_core
-from outlines_core.json_schema import build_regex_from_schema
 
+from radixlm.runtime.constrained.compile_pool import LOAD_DEADLINE_S, CompilePool
+from radixlm.runtime.constrained.engines import CompileResult, EngineSet, VocabSpec, engine_for
 from radixlm.runtime.constrained.grammar_matcher import GrammarMatcher
 from radixlm.runtime.constrained.jump_forward import ForcedTextFinder
-from radixlm.runtime.constrained.vocabulary import token_bytes_table, vocabulary_from_table
+from radixlm.runtime.constrained.regex_rules import (
+    JSON_OBJECT_SCHEMA,
+    GrammarError,
+    any_json_object_regex,
+    schema_to_regex,
+)
+from radixlm.runtime.constrained.vocabulary import token_bytes_table
+from radixlm.runtime.constrained.xgrammar_matcher import XGrammarCompiled
 
-DEFAULT_JSON_WHITESPACE_PATTERN = ""
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
-# response_format {"type": "json_object"}: any JSON object, see `any_json_object_regex`
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-_JSON_STRING = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
-_JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
-
-
-class GrammarError(ValueError):
-    """A constraint that cannot be used; the message is meant for the client (HTTP 400)."""
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
+__all__ = ["JSON_OBJECT_SCHEMA", "CompiledGrammar", "GrammarBackend", "GrammarError", "any_json_object_regex",
+           "check_supported", "schema_to_regex"]
 
 
 @dataclass
 class CompiledGrammar:
-    """One compiled constraint, shared read-only by every request that uses it."""
+    """One compiled outlines-core constraint, shared read-only by every request that uses it."""
 
     kind: str
     spec: str
@@ -71,70 +69,15 @@ class CompiledGrammar:
         return GrammarMatcher(self)
 
 
-def check_supported(kind: str) -> None:
-    """Raise GrammarError for constraint kinds this backend refuses (cheap; usable before queuing)."""
-    if kind == "ebnf":
-        raise GrammarError("ebnf constraints are not supported; use regex or json_schema")
+def check_supported(kind: str, backend: str = "outlines") -> None:
+    """Raise GrammarError for constraint kinds no engine here handles (cheap; usable before queuing)."""
     if kind not in GRAMMAR_KINDS:
         raise GrammarError(f"Unknown constraint kind {kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
-
-
-def any_json_object_regex(whitespace_pattern: str, depth: int = 1) -> str:
-    """A JSON object whose values nest at most `depth` more arrays/objects deep.
-
-    outlines-core's regex for a property-less `{"type": "object"}` nests three levels and takes ~5 s
-    to index with a 32k vocab; depth 1 (values: scalars, flat arrays, flat objects) takes ~0.3 s.
-    """
-    ws = f"({whitespace_pattern})" if whitespace_pattern else ""
-    scalar = f"({_JSON_STRING}|{_JSON_NUMBER}|true|false|null)"
-
-    def value(level: int) -> str:
-        return scalar if level == 0 else f"({scalar}|{array(level - 1)}|{obj(level - 1)})"
-
-    def array(level: int) -> str:
-        item = value(level)
-        return rf"\[{ws}({item}({ws},{ws}{item})*)?{ws}\]"
-
-    def obj(level: int) -> str:
-        member = f"{_JSON_STRING}{ws}:{ws}{value(level)}"
-        return rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
-
-    return obj(depth)
-
-
-def schema_to_regex(spec: str, whitespace_pattern: str | None) -> str:
-    """The regex of a JSON schema given as a JSON string; GrammarError if it is invalid."""
-    try:
-        parsed = json.loads(spec)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise GrammarError(f"Invalid JSON schema: not valid JSON ({e})") from None
-    if not isinstance(parsed, (dict, bool)):
-        raise GrammarError("Invalid JSON schema: a schema must be a JSON object")
-    if parsed == {"type": "object"}:
-        return any_json_object_regex(whitespace_pattern or "")
-    try:
-        return build_regex_from_schema(spec, whitespace_pattern=whitespace_pattern)
-    except Exception as e:  # outlines-core raises ValueError / TypeError with multi-line messages
-        raise GrammarError(f"Invalid JSON schema: {_one_line(e)}") from None
-
-
-def _regex_error(regex: str, error: Exception) -> GrammarError:
-    try:
-        re.compile(regex)
-    except re.error as py_error:
-        return GrammarError(f"Invalid regex: {py_error}")
-    message = _one_line(error)
-    if "NFA" in message or "DFA" in message:
-        return GrammarError(f"Invalid regex: {message} (Rust regex syntax: no lookaround or backreferences)")
-    return GrammarError(f"Invalid regex: {message}")
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
+    engine_for(backend, kind)
 
 
 class GrammarBackend:
-    """Compiles constraints in a thread pool, with an LRU cache; see the module docstring."""
+    """Compiles constraints in worker processes, with an LRU cache; see the module docstring."""
 
     def __init__(
         self,
@@ -144,114 +87,133 @@ class GrammarBackend:
         whitespace_pattern: str | None = None,
         compile_timeout: float = 30.0,
         max_cache: int = 256,
-        num_threads: int = 2,
+        backend: str = "outlines",
+        max_constraint_bytes: int = 64 * 1024,
+        memory_limit_mb: int = 2048,
+        num_workers: int = 2,
+        max_workers: int = 4,
     ) -> None:
         eos = [int(t) for t in eos_token_ids] or [int(tokenizer.eos_token_id)]
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos)
-        self.whitespace_pattern = (
-            DEFAULT_JSON_WHITESPACE_PATTERN if whitespace_pattern is None else whitespace_pattern
-        )
+        self.whitespace_pattern = whitespace_pattern
         self.compile_timeout = compile_timeout
         self.max_cache = max_cache
+        self.backend = backend
+        self.max_constraint_bytes = max_constraint_bytes
         self.token_bytes = token_bytes_table(tokenizer, vocab_size)
         for tid in self.eos_token_ids:
             if tid < vocab_size:
                 self.token_bytes[tid] = None
         self.vocab_eos_id = eos[0]
-        self.vocabulary = vocabulary_from_table(self.token_bytes, self.vocab_eos_id)
+        self.vocab_spec = VocabSpec(self.token_bytes, vocab_size, sorted(self.eos_token_ids), self.vocab_eos_id)
         self.cache_hits = 0
         self.cache_misses = 0
-        self._cache: OrderedDict[tuple[str, str], tuple[Future[CompiledGrammar], float]] = OrderedDict()
+        self._xgr_info: Any = None
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
+        self._pool: CompilePool | None = None
+        self._threads: ThreadPoolExecutor | None = None
+        if num_workers > 0:
+            preload = ("xgrammar",) if backend == "xgrammar" else ("outlines",)
+            self._pool = CompilePool(self.vocab_spec, whitespace_pattern, compile_timeout, memory_limit_mb,
+                                     min_workers=num_workers, max_workers=max_workers, preload=preload)
+        else:
+            self._engines = EngineSet(self.vocab_spec, whitespace_pattern)
+            self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
 
     # ------------------------------------------------------------------ requests
-    def request(self, kind: str, spec: str) -> Future[CompiledGrammar]:
+    def request(self, kind: str, spec: str) -> Future[Any]:
         """A future for the compiled constraint. Never blocks and never raises.
 
-        The future resolves to a CompiledGrammar, or raises GrammarError ("Invalid regex: ...",
-        "Invalid JSON schema: ...", ebnf / unknown kinds refused, compile timed out).
+        The future resolves to a compiled grammar (with `new_matcher()`), or raises GrammarError
+        ("Invalid regex: ...", too large, unknown kind, compile timed out / over the memory limit).
         """
         key = (kind, spec)
-        now = time.monotonic()
         with self._lock:
-            entry = self._cache.get(key)
-            if entry is not None:
-                future, submitted_at = entry
-                if not future.done() and now - submitted_at > self.compile_timeout:
-                    return _failed(self._timeout_error())  # a slow compile of this spec is still running
+            future = self._cache.get(key)
+            if future is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
                 return future
             self.cache_misses += 1
-            try:
-                check_supported(kind)
-            except GrammarError as e:
-                future = _failed(e)
-            else:
-                future = self._pool.submit(self._compile, kind, spec)
-            self._cache[key] = (future, now)
-            self._evict()
+            future = self._start(kind, spec)
+            self._cache[key] = future
+            while len(self._cache) > self.max_cache:
+                self._cache.popitem(last=False)
             return future
 
-    def poll(
-        self, future: Future[CompiledGrammar], started_at: float
-    ) -> CompiledGrammar | GrammarError | None:
-        """The grammar, its error, or None while still compiling (started_at: time.monotonic())."""
-        if future.cancelled():
-            return GrammarError("Grammar compilation was cancelled (the server is shutting down)")
+    def poll(self, future: Future[Any], started_at: float) -> Any:
+        """The grammar, its error, or None while still compiling (started_at: time.monotonic()).
+
+        The pool enforces the deadline per compile; this only guards against a wait far beyond it
+        (a compile queued behind `max_workers` slow ones)."""
         if future.done():
             error = future.exception()
             if error is None:
                 return future.result()
-            if isinstance(error, GrammarError):
-                return error
-            return GrammarError(f"Grammar compilation failed: {error}")
-        if time.monotonic() - started_at > self.compile_timeout:
-            return self._timeout_error()
+            return error if isinstance(error, GrammarError) else GrammarError(f"Grammar compilation failed: {error}")
+        limit = 4 * self.compile_timeout + LOAD_DEADLINE_S
+        if time.monotonic() - started_at > limit:
+            return GrammarError(f"Grammar compile did not finish within {limit:g} s "
+                                "(the compile workers are busy); retry later")
         return None
 
-    def compile(self, kind: str, spec: str) -> CompiledGrammar:
+    def compile(self, kind: str, spec: str) -> Any:
         """Blocking compile through the cache (for tests and offline tools); raises GrammarError."""
         return self.request(kind, spec).result()
 
     def shutdown(self) -> None:
-        """Stop the worker threads (running compiles finish first)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the workers (processes are killed; threads finish their compile first)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._threads is not None:
+            self._threads.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ internals
-    def _timeout_error(self) -> GrammarError:
-        return GrammarError(
-            f"Grammar compile timed out after {self.compile_timeout:g} s; simplify the constraint"
-        )
-
-    def _evict(self) -> None:
-        while len(self._cache) > self.max_cache:
-            self._cache.popitem(last=False)
-
-    def _compile(self, kind: str, spec: str) -> CompiledGrammar:
-        start = time.perf_counter()
-        regex = spec if kind == "regex" else schema_to_regex(spec, self.whitespace_pattern)
+    def _start(self, kind: str, spec: str) -> Future[Any]:
         try:
-            index = outlines_core.Index(regex, self.vocabulary)
-        except Exception as e:
-            if kind == "regex":
-                raise _regex_error(regex, e) from None
-            raise GrammarError(f"Invalid JSON schema: it cannot be compiled ({_one_line(e)})") from None
-        return CompiledGrammar(
-            kind=kind,
-            spec=spec,
-            regex=regex,
-            index=index,
-            tokenizer=self.tokenizer,
-            token_bytes=self.token_bytes,
-            vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            vocab_eos_id=self.vocab_eos_id,
-            compile_time_s=time.perf_counter() - start,
-        )
+            size = len(spec.encode("utf-8", "surrogatepass"))
+            if size > self.max_constraint_bytes:
+                raise GrammarError(f"The {kind} constraint is {size} bytes, over the limit of "
+                                   f"{self.max_constraint_bytes} (--max-constraint-bytes)")
+            check_supported(kind, self.backend)
+            engine = engine_for(self.backend, kind)
+        except GrammarError as e:
+            return _failed(e)
+        if self._pool is not None:
+            raw = self._pool.submit(engine, kind, spec)
+        else:
+            raw = self._threads.submit(self._engines.compile, engine, kind, spec)  # type: ignore[union-attr]
+        out: Future[Any] = Future()
+        raw.add_done_callback(lambda f: self._finish(f, out))
+        return out
+
+    def _finish(self, raw: Future[CompileResult], out: Future[Any]) -> None:
+        """Runs in the pool thread: rebuild the engine object from the worker's payload."""
+        try:
+            out.set_result(self._load(raw.result()))
+        except GrammarError as e:
+            out.set_exception(e)
+        except Exception as e:  # noqa: BLE001 - a broken payload fails only this constraint
+            out.set_exception(GrammarError(f"Grammar compilation failed: {type(e).__name__}: {e}"))
+
+    def _load(self, res: CompileResult) -> Any:
+        common = dict(kind=res.kind, spec=res.spec, tokenizer=self.tokenizer, token_bytes=self.token_bytes,
+                      vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                      compile_time_s=res.compile_time_s)
+        if res.engine == "outlines":
+            index = pickle.loads(res.payload)  # noqa: S301 - our own worker's output
+            return CompiledGrammar(regex=res.regex or "", index=index, vocab_eos_id=self.vocab_eos_id, **common)
+        import xgrammar as xgr
+
+        if self._xgr_info is None:
+            from radixlm.runtime.constrained.engines import xgrammar_tokenizer_info
+
+            self._xgr_info = xgrammar_tokenizer_info(self.vocab_spec)
+        return XGrammarCompiled(compiled=xgr.CompiledGrammar.deserialize_json(res.payload, self._xgr_info),
+                                **common)
 
 
 def _failed(error: Exception) -> Future[CompiledGrammar]:

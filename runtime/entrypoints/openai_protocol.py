@@ -110,9 +110,10 @@ class ChatCompletionRequest(_SamplingExtras):
 
 
 class GenerateRequest(BaseModel):
-    """The native `/generate` body (GenerateReqInput's fields). Unknown fields are refused."""
+    """The native `/generate` body. Fields radixlm does not implement land in `model_extra` and are
+    checked by managers/generate_fields.py (SGLang's other fields; unknown ones are ignored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     text: StrictStr | list[StrictStr] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
@@ -125,17 +126,6 @@ class GenerateRequest(BaseModel):
     stream: StrictBool | None = None
     priority: StrictInt | None = None
     timeout: Number | None = None
-    # SGLang fields radixlm does not implement: accepted when null/false, refused otherwise
-    lora_path: Any = None
-    image_data: Any = None
-    modalities: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    return_hidden_states: Any = None
-
-
-UNSUPPORTED_GENERATE_FIELDS = ("lora_path", "image_data", "modalities", "session_params",
-                               "custom_logit_processor", "return_hidden_states")
 
 
 class AbortRequest(BaseModel):

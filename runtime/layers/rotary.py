@@ -67,13 +67,37 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]          # [max_position, head_dim/2]
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._last: tuple | None = None     # (positions, its version, dtype, cos, sin) of the last call
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [n, heads*head_dim], k: [n, kv_heads*head_dim], positions: [n]
-        cos = self.cos_cache[positions].repeat(1, 2).to(q.dtype)[:, None, :]   # [n, 1, head_dim]
-        sin = self.sin_cache[positions].repeat(1, 2).to(q.dtype)[:, None, :]
+        cos, sin = self._cos_sin(positions, q.dtype)                            # [n, 1, head_dim] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `positions`, full width, in `dtype`. Every layer of one forward pass passes the
+        same `positions` tensor, so the gather is done once per pass and reused (keyed on the tensor
+        object and its version counter; side effect: keeps a reference to the last `positions`)."""
+        if torch.compiler.is_compiling():          # traced once; the compiler dedupes the gathers
+            return self._gather(positions, dtype)
+        last = self._last
+        version = _version_of(positions)
+        if last is not None and last[0] is positions and last[1:3] == (version, dtype):
+            return last[3], last[4]
+        cos, sin = self._gather(positions, dtype)
+        self._last = (positions, version, dtype, cos, sin)
+        return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].repeat(1, 2).to(dtype)[:, None, :]     # [n, 1, head_dim]
+        sin = self.sin_cache[positions].repeat(1, 2).to(dtype)[:, None, :]
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shaped = x.view(x.shape[0], -1, self.head_dim)           # [n, heads, head_dim]
         return (shaped * cos + rotate_half(shaped) * sin).view_as(x)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """The in-place version counter of `t` (None for inference tensors, which have none)."""
+    return None if t.is_inference() else t._version

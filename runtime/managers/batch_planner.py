@@ -37,11 +37,11 @@ class StepBatch:
 
     @property
     def prefix_lens(self) -> list[int]:
-        return [r.cached_len for r in self.reqs]
+        return [req.cached_len for req in self.reqs]
 
     @property
     def seq_lens(self) -> list[int]:
-        return [r.cached_len + n for r, n in zip(self.reqs, self.extend_lens)]
+        return [req.cached_len + n for req, n in zip(self.reqs, self.extend_lens)]
 
     @property
     def is_decode(self) -> bool:

@@ -9,7 +9,8 @@ it holds back text until it is final:
 
     text[:sent_len]             already sent to the tokenizer manager
     text[sent_len:end]          sent now
-    text[end:]                  held: could be the start of a stop string
+    text[end:]                  held: could be the start of a stop string, or of a stop_regex
+                                match (a partial match that reaches the end of the text)
     ids[read_offset:]           held: their text ends in a partial UTF-8 character (U+FFFD)
 """
 
@@ -21,6 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex as _regex
 import zmq
 
 from radixlm.runtime.managers.io_struct import (
@@ -122,13 +124,15 @@ class IncrementalDetokenizer:
             del self.states[out.rid]
             end = len(st.text)
             if trim and isinstance(matched, str) and matched:
-                pos = st.text.find(matched, st.sent_len)
+                pos = _stop_position(st.text, st.sent_len, matched, matched in out.stop_regex)
                 if pos != -1:
                     end = pos
         elif out.no_stop_trim:
             end = len(st.text)
         else:
             end = stop_safe_end(st.text, st.sent_len, out.stop_strs)
+            if out.stop_regex:
+                end = min(end, stop_regex_safe_end(st.text, st.sent_len, out.stop_regex))
         delta = st.text[st.sent_len:end]
         st.sent_len = max(st.sent_len, end)
         return delta
@@ -147,6 +151,25 @@ def stop_safe_end(text: str, start: int, stop_strs: list[str]) -> int:
                 end = min(end, len(text) - k)
                 break
     return max(end, start)
+
+
+def stop_regex_safe_end(text: str, start: int, patterns: list[str]) -> int:
+    """The end of the text that can be sent: before the first (partial) match of any stop_regex in
+    `text[start:]` (a partial match reaches the end of the text and may still complete)."""
+    end = len(text)
+    for pattern in patterns:
+        m = _regex.search(pattern, text, pos=start, partial=True)
+        if m is not None:
+            end = min(end, m.start())
+    return max(end, start)
+
+
+def _stop_position(text: str, start: int, matched: str, is_regex: bool) -> int:
+    """Where the output is cut at its matched stop string / stop_regex (-1: not found)."""
+    if not is_regex:
+        return text.find(matched, start)
+    m = _regex.search(matched, text, pos=start) or _regex.search(matched, text)
+    return -1 if m is None else max(m.start(), start)
 
 
 # ------------------------------------------------------------------- the process

@@ -1,8 +1,8 @@
-"""Requests with a regex / JSON-schema constraint wait here while their grammar compiles.
+"""Requests with a grammar constraint (regex, JSON schema, EBNF, structural tag) wait here while it compiles.
 
-Compilation runs in the grammar backend's thread pool, so the scheduler loop never blocks on it.
-An invalid constraint (or a compile timeout) finishes only that request, with an abort reason
-that carries `status_code: 400` so the client gets a clear 400.
+Compilation runs in the grammar backend's worker processes, so the scheduler loop never blocks on it.
+An invalid constraint (or one over a size, time or memory limit) finishes only that request, with an
+abort reason that carries `status_code: 400` so the client gets a clear 400.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ class GrammarQueue:
             self._backend = GrammarBackend(
                 self.tokenizer, self.vocab_size, self.eos_token_ids,
                 whitespace_pattern=self.args.constrained_json_whitespace_pattern,
-                compile_timeout=self.args.grammar_compile_timeout)
+                compile_timeout=self.args.grammar_compile_timeout, backend=self.args.grammar_backend,
+                max_constraint_bytes=self.args.max_constraint_bytes,
+                memory_limit_mb=self.args.grammar_compile_memory_mb)
         return self._backend
 
     def add(self, req: Req) -> None:
@@ -66,6 +68,11 @@ class GrammarQueue:
                 req.grammar = result.new_matcher()
                 ready.append(req)
         return ready
+
+    def shutdown(self) -> None:
+        """Kill the compile workers (if they were started)."""
+        if self._backend is not None:
+            self._backend.shutdown()
 
     def discard(self, req: Req) -> None:
         if req in self.pending:

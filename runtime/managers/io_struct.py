@@ -71,6 +71,7 @@ class ReqTokenOut:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop_strs: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
     no_stop_trim: bool = False
     # logprobs, as [logprob, token_id] pairs (text is added by the TokenizerManager)
     input_token_logprobs: list[tuple[float | None, int]] | None = None

@@ -8,14 +8,16 @@ For each request of the step, with [p, p + n) the tokens just computed:
 
 from __future__ import annotations
 
+import re
 import time
+from functools import lru_cache
 
 import torch
 
-from radixlm.kernels.vocab_mask import allocate_vocab_mask, vocab_mask_to_bool
+from radixlm.kernels.vocab_mask import allocate_vocab_mask
 from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from radixlm.runtime.layers.sampler import Sampler
-from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo
+from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
 from radixlm.runtime.managers.batch_planner import StepBatch
 from radixlm.runtime.managers.io_struct import ReqTokenOut
 from radixlm.runtime.managers.req import Req
@@ -76,17 +78,21 @@ class OutputProcessor:
 
     # ------------------------------------------------------------ sampling
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        want_lp = any(r.return_logprob for r in reqs)
+        params = [r.sampling_params for r in reqs]
+        if not want_lp and all(r.grammar is None for r in reqs) and is_plain_greedy(
+                params, [r.output_ids for r in reqs]):
+            return self.sampler.greedy(logits[:, : self.vocab_size]).tolist()   # no per-step tensors
         mask = None
         if any(r.grammar is not None for r in reqs):
             words = allocate_vocab_mask(len(reqs), self.vocab_size)     # int32 bitmask, all allowed
             for i, r in enumerate(reqs):
                 if r.grammar is not None:
                     r.grammar.fill_vocab_mask(words[i])
-            mask = vocab_mask_to_bool(words, self.vocab_size).to(self.device)
-        info = SamplingBatchInfo.build([r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs],
+            mask = words.to(self.device)                                # applied as bits by the sampler
+        info = SamplingBatchInfo.build(params, [r.origin_input_ids for r in reqs],
                                        [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
                                        self.device, vocab_mask=mask)
-        want_lp = any(r.return_logprob for r in reqs)
         out = self.sampler.sample(logits[:, : self.vocab_size], info, return_logprobs=want_lp)
         ids = out.next_token_ids.tolist()
         if want_lp:
@@ -143,6 +149,8 @@ class OutputProcessor:
                     if s in tail:
                         req.finished_reason = {"type": "stop", "matched": s}
                         return
+            if sp.stop_regex and self._match_stop_regex(req):
+                return
         if out_len >= sp.max_new_tokens:
             req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
         elif req.seq_len >= self.context_len:
@@ -155,6 +163,19 @@ class OutputProcessor:
     def _stop_window(stops: list[str]) -> int:
         return max(len(s) for s in stops) + STOP_STR_LOOKBACK_TOKENS
 
+    def _match_stop_regex(self, req: Req) -> bool:
+        """Stop at the first `stop_regex` match in the output text (a window of it when every
+        pattern's match length is bounded, else all of it); `matched` is the pattern."""
+        sp = req.sampling_params
+        window = stop_regex_window(sp.stop_regex)
+        ids = req.output_ids if window is None else req.output_ids[-(window + STOP_STR_LOOKBACK_TOKENS):]
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        for pattern in sp.stop_regex:
+            if re.search(pattern, text):
+                req.finished_reason = {"type": "stop", "matched": pattern}
+                return True
+        return False
+
     # ------------------------------------------------------------ emitting
     @staticmethod
     def make_output(req: Req) -> ReqTokenOut:
@@ -165,6 +186,7 @@ class OutputProcessor:
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop_strs=list(sp.stop),
+            stop_regex=list(sp.stop_regex),
             no_stop_trim=sp.no_stop_trim, jump_forward_tokens=req.jump_forward_tokens,
             forward_passes=req.forward_passes)
         if req.return_logprob:
@@ -185,7 +207,28 @@ class OutputProcessor:
             return True
         if len(req.output_ids) <= req.sent_len:
             return False
-        return req.stream or not req.sent_first
+        if not req.sent_first:
+            return True
+        interval = req.sampling_params.stream_interval or 1
+        return req.stream and len(req.output_ids) - req.sent_len >= interval
+
+
+@lru_cache(maxsize=1024)
+def _max_match_len(pattern: str) -> int | None:
+    """Most characters one match of `pattern` can span, or None when unbounded (or unknown)."""
+    from re import _constants, _parser  # sre_parse's modules (sre_parse itself is deprecated)
+
+    try:
+        _, high = _parser.parse(pattern).getwidth()
+    except Exception:  # noqa: BLE001
+        return None
+    return None if high >= _constants.MAXREPEAT else int(high)
+
+
+def stop_regex_window(patterns: list[str]) -> int | None:
+    """Tokens to decode for the stop_regex check (a token spans at least one character)."""
+    widths = [_max_match_len(p) for p in patterns]
+    return None if any(w is None for w in widths) else max(widths, default=0)
 
 
 def now() -> float:

@@ -7,12 +7,19 @@ Every problem is a ValueError with a message a client can act on, raised before 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
 import uuid
 from typing import Any
 
 from radixlm.runtime.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.managers.request_validation import check_logprob_start, validate_generate_fields
+from radixlm.runtime.managers.text_encoding import encode_texts
+from radixlm.runtime.sampling_params import MODEL_DEFAULT_KEYS, SamplingParams
 from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
 
@@ -25,6 +32,8 @@ class RequestBuilder:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.max_total_tokens = max_total_tokens
+        self.sampling_defaults = (model_sampling_defaults(server_args.model_path)
+                                  if server_args.sampling_defaults == "model" else {})
 
     def build(self, obj: GenerateReqInput, in_flight: Any) -> tuple[list[TokenizedGenerateReq], bool, bool]:
         """(wire requests, is a single request, return_text_in_logprobs). `in_flight` holds the rids
@@ -33,9 +42,10 @@ class RequestBuilder:
 
     def _prepare(self, obj: GenerateReqInput, in_flight: Any) -> tuple[list[TokenizedGenerateReq], bool, bool]:
         """Normalizes single/batch input into wire requests (n > 1 expanded). Raises ValueError."""
+        validate_generate_fields(obj, self.server_args.max_top_logprobs)
         items, is_single = self._split_items(obj)
         texts = [it["text"] for it in items if it.get("text") is not None]
-        encoded = iter(self.tokenizer(texts)["input_ids"]) if texts else iter(())
+        encoded = iter(encode_texts(self.tokenizer, texts)) if texts else iter(())
         reqs: list[TokenizedGenerateReq] = []
         for i, it in enumerate(items):
             ids = list(next(encoded)) if it.get("text") is not None else it["input_ids"]
@@ -88,8 +98,9 @@ class RequestBuilder:
     def _make_reqs(self, it: dict[str, Any], ids: Any, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
         self._check_ids(ids)
         raw_params = it["sampling_params"]
-        params = SamplingParams.from_dict(raw_params)
+        params = SamplingParams.from_dict(raw_params, self.sampling_defaults)
         params.verify_vocab(self.vocab_size)
+        self._check_constraint_size(params)
         self._check_lengths(len(ids), params, explicit=bool(raw_params) and raw_params.get("max_new_tokens")
                             is not None)
         start = it["logprob_start_len"]
@@ -99,6 +110,8 @@ class RequestBuilder:
             raise ValueError("logprob_start_len must be -1 (output only) or a prompt position >= 0")
         if not isinstance(top_n, int) or not 0 <= top_n <= self.vocab_size:
             raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}]")
+        if start >= 0:
+            check_logprob_start(start, len(ids))
         rid = it["rid"] if it["rid"] is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError("rid must be a non-empty string")
@@ -116,6 +129,13 @@ class RequestBuilder:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"Input token id {t!r} is not an integer in [0, {self.vocab_size})")
+
+    def _check_constraint_size(self, params: SamplingParams) -> None:
+        constraint = params.constraint
+        limit = self.server_args.max_constraint_bytes
+        if constraint is not None and len(constraint[1].encode("utf-8", "surrogatepass")) > limit:
+            raise ValueError(f"The {constraint[0]} constraint is {len(constraint[1].encode('utf-8', 'surrogatepass'))} "
+                             f"bytes, over the limit of {limit} (--max-constraint-bytes)")
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams, explicit: bool) -> None:
         """Prompt and output must fit the context; an implicit max_new_tokens is clamped to it."""
@@ -137,3 +157,19 @@ def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
     """The params of sample j of an n > 1 request: n = 1, and a distinct seed when one is set."""
     seed = None if params.sampling_seed is None else params.sampling_seed + j
     return dataclasses.replace(params, n=1, sampling_seed=seed)
+
+
+def model_sampling_defaults(model_path: str | None) -> dict[str, float | int]:
+    """temperature / top_p / top_k / min_p / repetition_penalty from the model's generation_config.json
+    (`--sampling-defaults model`); {} when the file is missing or unreadable."""
+    path = os.path.join(model_path or "", "generation_config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    defaults = {k: config[k] for k in MODEL_DEFAULT_KEYS
+                if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    if defaults:
+        logger.info("sampling defaults from %s: %s", path, defaults)
+    return defaults

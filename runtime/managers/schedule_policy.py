@@ -20,11 +20,11 @@ CACHE_AWARE_MAX_QUEUE = 128   # beyond this, matching every waiting prompt costs
 
 
 def order_fcfs(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
-    return sorted(waiting, key=lambda r: r.arrival_time)
+    return sorted(waiting, key=lambda req: req.arrival_time)
 
 
 def order_lof(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
-    return sorted(waiting, key=lambda r: (-r.sampling_params.max_new_tokens, r.arrival_time))
+    return sorted(waiting, key=lambda req: (-req.sampling_params.max_new_tokens, req.arrival_time))
 
 
 def order_random(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
@@ -34,13 +34,14 @@ def order_random(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]
 
 
 def order_priority(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
-    return sorted(waiting, key=lambda r: (-r.priority, r.arrival_time))
+    return sorted(waiting, key=lambda req: (-req.priority, req.arrival_time))
 
 
 def order_lpm(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     """Longest cached prefix first."""
-    hit = {id(r): len(prefix_cache.match_prefix(r.all_ids[: r.max_prefix_for_match()]).kv_indices) for r in waiting}
-    return sorted(waiting, key=lambda r: (-hit[id(r)], r.arrival_time))
+    hit = {id(req): len(prefix_cache.match_prefix(req.all_ids[: req.max_prefix_for_match()]).kv_indices)
+           for req in waiting}
+    return sorted(waiting, key=lambda req: (-hit[id(req)], req.arrival_time))
 
 
 def order_dfs_weight(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
@@ -48,9 +49,9 @@ def order_dfs_weight(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[
     share a prefix run back to back while it is still cached."""
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
-    for r in sorted(waiting, key=lambda r: r.arrival_time):
-        node = prefix_cache.match_prefix(r.all_ids[: r.max_prefix_for_match()]).last_node
-        at_node[id(node)].append(r)
+    for req in sorted(waiting, key=lambda req: req.arrival_time):
+        node = prefix_cache.match_prefix(req.all_ids[: req.max_prefix_for_match()]).last_node
+        at_node[id(node)].append(req)
         while node is not None:
             weight[id(node)] += 1
             node = node.parent

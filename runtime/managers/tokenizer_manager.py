@@ -19,13 +19,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from radixlm.runtime.managers.admission_control import AdmissionControl
+from radixlm.runtime.managers.build_offload import OffloadedBuilder
 from radixlm.runtime.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -39,7 +39,9 @@ from radixlm.runtime.managers.io_struct import (
     TokenizedGenerateReq,
 )
 from radixlm.runtime.managers.ipc import AsyncPuller, AsyncPusher, PortArgs
+from radixlm.runtime.managers.req_state import MemoryTrimmer, ReqState, TokenTexts, charge_output, over_budget
 from radixlm.runtime.managers.request_builder import RequestBuilder
+from radixlm.runtime.managers.rid_registry import RidRegistry
 from radixlm.runtime.router.dp_router import DPRouter
 from radixlm.runtime.server_args import ServerArgs
 
@@ -52,37 +54,6 @@ def load_tokenizer(server_args: ServerArgs) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
-
-
-@dataclass
-class ReqState:
-    """What the manager knows about one in-flight sub-request. Output lists are cumulative."""
-
-    rid: str
-    index: int                              # position in the caller's result list
-    notify: asyncio.Queue                   # shared by the sub-requests of one generate call
-    return_logprob: bool
-    text_in_logprobs: bool
-    prompt_tokens: int
-    created: float = field(default_factory=time.perf_counter)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    jump_forward_tokens: int = 0
-    forward_passes: int = 0
-    logprobs: dict[str, list] = field(default_factory=lambda: {
-        "input_token_logprobs": [], "input_top_logprobs": [], "output_token_logprobs": [],
-        "output_top_logprobs": []})
-    last_token_time: float | None = None
-    yielded_len: int = -1                   # len(output_ids) at the last streamed chunk
-    error: str | None = None
-    reported: bool = False                  # on_request_finished was called
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class TokenizerManager:
@@ -98,6 +69,7 @@ class TokenizerManager:
         self.max_total_tokens: int | None = scheduler_info.get("max_total_tokens")
         self.requests = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
                                        self.max_total_tokens)
+        self.builder = OffloadedBuilder(self.requests, server_args.max_top_logprobs, self.context_len)
         self.ctx = zmq.asyncio.Context()
         self.puller = AsyncPuller(self.ctx, port_args.tokenizer_input)
         self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
@@ -109,13 +81,16 @@ class TokenizerManager:
             self.router = DPRouter(server_args.load_balance_method, server_args.dp_size)
             self.dp_router = lambda req: self.router.pick(req.input_ids)
         self._next_dp = 0
-        self.rid_to_state: dict[str, ReqState] = {}
+        self.rids = RidRegistry()
+        self.rid_to_state: dict[str, ReqState] = self.rids.active
         self.admission = AdmissionControl(server_args.max_queued_requests, server_args.dp_size * int(
             scheduler_info.get("max_running_requests") or 1))
         self.latest_stats: SchedulerStats | None = None
         self.stats_by_dp_rank: dict[int, SchedulerStats] = {}
         self.dead_message: str | None = None
-        self._token_text: dict[int, str] = {}
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.token_texts.warm(len(self.tokenizer))
+        self.trimmer = MemoryTrimmer(lambda: not self.rid_to_state)
         self._control_waiters: dict[type, deque[asyncio.Future]] = {FlushCacheOut: deque(),
                                                                      GetInternalStateOut: deque()}
         self._control_lock: asyncio.Lock | None = None
@@ -136,6 +111,7 @@ class TokenizerManager:
             self._recv_task.cancel()
         for sock in (self.puller, *self.senders):
             sock.close()
+        self.builder.close()
 
     def num_running_requests(self) -> int:
         return len(self.rid_to_state)
@@ -151,13 +127,13 @@ class TokenizerManager:
         input (before anything is sent) and RuntimeError when the runtime failed."""
         self.start()
         self._check_alive()
-        reqs, is_single, text_in_logprobs = self.requests.build(obj, self.rid_to_state)
+        reqs, is_single, text_in_logprobs = await self.builder.build(obj)
         self.admission.check(len(self.rid_to_state), len(reqs))   # OverloadedError: 503
         queue: asyncio.Queue = asyncio.Queue()
-        states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids))
-                  for i, r in enumerate(reqs)]
-        for st in states:
-            self.rid_to_state[st.rid] = st
+        states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids),
+                           stream=bool(obj.stream)) for i, r in enumerate(reqs)]
+        await self.rids.reserve(states)     # ValueError (400) for a rid in use
+        self._check_alive()
         self._send_generate(reqs)
         watcher = asyncio.create_task(self._watch_disconnect(request, states)) if request is not None else None
         try:
@@ -174,14 +150,20 @@ class TokenizerManager:
             self._release(states)
 
     async def _wait_finished(self, states: list[ReqState]) -> None:
+        """Returns once every state finished (raises RuntimeError on a runtime failure). Looks only at
+        the states named by each notification: O(1) per output, so a 10k-prompt batch does not stall
+        the event loop when many outputs arrive at once."""
         queue = states[0].notify
-        while True:
-            for st in states:
-                if st.error is not None:
-                    raise RuntimeError(st.error)
-            if all(st.finished for st in states):
-                return
-            await queue.get()
+        pending = {i for i, st in enumerate(states) if not st.finished}
+        for st in states:
+            if st.error is not None:
+                raise RuntimeError(st.error)
+        while pending:
+            st = states[await queue.get()]
+            if st.error is not None:
+                raise RuntimeError(st.error)
+            if st.finished:
+                pending.discard(st.index)
 
     async def _stream_chunks(self, states: list[ReqState], is_single: bool) -> AsyncIterator[dict]:
         queue = states[0].notify
@@ -197,6 +179,7 @@ class TokenizerManager:
                 if i not in pending or (len(st.output_ids) == st.yielded_len and not st.finished):
                     continue
                 st.yielded_len = len(st.output_ids)
+                st.unsent_bytes = 0
                 if st.finished:
                     pending.discard(i)
                 yield self._make_output(st, None if is_single else i)
@@ -205,11 +188,12 @@ class TokenizerManager:
         """Forgets the states of a finished call; aborts any sub-request still running (the caller
         went away: client disconnect, cancelled task, closed stream, or an error)."""
         for st in states:
-            if self.rid_to_state.get(st.rid) is st:
-                del self.rid_to_state[st.rid]
-            if not st.finished and st.error is None and self.dead_message is None:
+            running = not st.finished and st.error is None and self.dead_message is None
+            if running:
                 self._send_all(AbortReq(st.rid, "client went away"))
+            self.rids.release(st, draining=running)   # the rid stays taken until the abort comes back
             self._report_finished(st, aborted=not st.finished or st.finish_reason.get("type") == "abort")
+        self.trimmer.note_released(sum(st.out_bytes for st in states))
 
     async def _watch_disconnect(self, request: Any, states: list[ReqState]) -> None:
         while not all(st.finished for st in states):
@@ -260,20 +244,9 @@ class TokenizerManager:
             out["index"] = index
         return out
 
-    def _triples(self, entries: list | None, with_text: bool, nested: bool = False) -> list:
-        """[logprob, id] pairs -> [logprob, id, text or None]; `nested`: per-position top lists."""
-        if nested:
-            return [None if top is None else self._triples(top, with_text) for top in entries or []]
-        return [[lp, tid, self.token_text(tid) if with_text else None] for lp, tid in entries or []]
-
     def token_text(self, tid: int) -> str:
         """Non-empty display text of one token (special tokens included)."""
-        text = self._token_text.get(tid)
-        if text is None:
-            text = self.tokenizer.decode([tid], skip_special_tokens=False) or \
-                str(self.tokenizer.convert_ids_to_tokens(tid)) or f"<{tid}>"
-            self._token_text[tid] = text
-        return text
+        return self.token_texts.text(tid)
 
     # -------------------------------------------------------------- receive
     async def _recv_loop(self) -> None:
@@ -288,7 +261,7 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOut):
             now = time.perf_counter()
             for item in msg.outputs:
-                st = self.rid_to_state.get(item.rid)
+                st = self.rids.on_output(item.rid, item.token.finish_reason is not None)
                 if st is not None:
                     self._update(st, item, now)
         elif isinstance(msg, SchedulerStats):
@@ -314,17 +287,29 @@ class TokenizerManager:
         st.completion_tokens, st.jump_forward_tokens = tok.completion_tokens, tok.jump_forward_tokens
         st.forward_passes = tok.forward_passes
         if st.return_logprob:
-            lp, t = st.logprobs, st.text_in_logprobs
-            lp["input_token_logprobs"] += self._triples(tok.input_token_logprobs, t)
-            lp["input_top_logprobs"] += self._triples(tok.input_top_logprobs, t, nested=True)
-            lp["output_token_logprobs"] += self._triples(tok.output_token_logprobs, t)
-            lp["output_top_logprobs"] += self._triples(tok.output_top_logprobs, t, nested=True)
+            lp, t, triples = st.logprobs, st.text_in_logprobs, self.token_texts.triples
+            lp["input_token_logprobs"] += triples(tok.input_token_logprobs, t)
+            lp["input_top_logprobs"] += triples(tok.input_top_logprobs, t, nested=True)
+            lp["output_token_logprobs"] += triples(tok.output_token_logprobs, t)
+            lp["output_top_logprobs"] += triples(tok.output_top_logprobs, t, nested=True)
         self._observe_latency(st, len(tok.new_token_ids), now)
+        self._check_budget(st, tok, item.text_delta)
         if tok.finish_reason is not None:
             st.finish_reason = dict(tok.finish_reason)
             if self.server_args.log_requests:
                 logger.info("finished %s: %s, %r", st.rid, st.finish_reason, st.text)
         st.notify.put_nowait(st.index)
+
+    def _check_budget(self, st: ReqState, tok: Any, text_delta: str) -> None:
+        """Aborts a request whose output outgrew --max-response-bytes, or a stream whose client
+        left more than --max-stream-buffer-bytes unread (the scheduler then frees its KV)."""
+        charge_output(st, tok, text_delta)
+        if st.limit_abort is None and tok.finish_reason is None:
+            args = self.server_args
+            st.limit_abort = over_budget(st, args.max_response_bytes, args.max_stream_buffer_bytes)
+            if st.limit_abort is not None:
+                logger.warning("aborting %s: %s", st.rid, st.limit_abort)
+                self._send_all(AbortReq(st.rid, st.limit_abort))
 
     def _observe_latency(self, st: ReqState, num_new: int, now: float) -> None:
         if num_new == 0:
@@ -395,6 +380,7 @@ class TokenizerManager:
 
     def _fail_all_now(self, message: str) -> None:
         self.dead_message = self.dead_message or message
+        self.rids.clear_draining()
         for st in list(self.rid_to_state.values()):
             if not st.finished:
                 st.error = message

@@ -25,6 +25,7 @@ Not thread-safe: only the scheduler loop calls it.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -64,11 +65,20 @@ def write_slots(table: torch.Tensor, rows: list[int], starts: list[int], ends: l
     """table[rows[i], starts[i]:ends[i]] = the next ends[i] - starts[i] of `slots`, in order.
 
     The one place the req->token table is written (KVManager, and tests that drive raw pools).
+    One-token spans (decodes) go in one indexed write; longer spans are one slice copy each.
     """
-    offset = 0
-    for row, start, end in zip(rows, starts, ends):
-        table[row, start:end] = slots[offset: offset + end - start].to(table.dtype)
-        offset += end - start
+    slots = slots.to(device=table.device, dtype=table.dtype)
+    offsets = list(itertools.accumulate((e - s for s, e in zip(starts, ends)), initial=0))
+    single = [i for i in range(len(rows)) if ends[i] - starts[i] == 1]
+    if single:
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=table.device)
+
+        table[index([rows[i] for i in single]), index([starts[i] for i in single])] = \
+            slots[index([offsets[i] for i in single])]
+    for i, (row, start, end) in enumerate(zip(rows, starts, ends)):
+        if end - start > 1:
+            table[row, start:end] = slots[offsets[i]: offsets[i + 1]]
 
 
 class KVManager:
@@ -156,12 +166,12 @@ class KVManager:
         Evicts cache as needed. Returns the int64 slots in request order (the pass's
         `out_cache_loc`), or None, changing nothing, when even eviction cannot make room.
         """
-        prefix_lens = [r.cached_len for r in reqs]
+        prefix_lens = [req.cached_len for req in reqs]
         ends = [p + n for p, n in zip(prefix_lens, extend_lens)]
         if not self.ensure_free(self.new_slots_needed(prefix_lens, ends)):
             return None
         table = self.req_to_token_pool.req_to_token
-        rows = [r.req_pool_idx for r in reqs]
+        rows = [req.req_pool_idx for req in reqs]
         last_locs = [int(table[row, p - 1]) if p else 0 for row, p in zip(rows, prefix_lens)]
         loc = self.allocator.alloc_extend(prefix_lens, ends, last_locs)
         assert loc is not None, "allocation failed after ensure_free"

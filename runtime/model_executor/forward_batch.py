@@ -63,18 +63,34 @@ class ForwardBatch:
     def build(mode: ForwardMode, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
               seq_lens: list[int], out_cache_loc: torch.Tensor, req_to_token_pool: ReqToTokenPool,
               kv_cache: KVCache, device: torch.device | str) -> ForwardBatch:
-        """Builds the tensors. Reads nothing from the table and writes nothing anywhere."""
-        positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
+        """Builds the tensors. Reads nothing from the table and writes nothing anywhere.
+
+        No Python loop over requests: a few list->tensor conversions and, for extends, one
+        vectorized position computation (decode positions are the prefix lengths themselves)."""
+        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        if mode.is_decode:
+            positions = prefix_t                                  # the one new token sits at prefix_len
+        else:
+            positions = extend_positions(prefix_t, seq_t)
         return ForwardBatch(
             forward_mode=mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions.to(device),
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
             req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+            seq_lens=seq_t.to(device),
+            prefix_lens=prefix_t.to(device),
             seq_lens_cpu=list(seq_lens),
             prefix_lens_cpu=list(prefix_lens),
             req_to_token_pool=req_to_token_pool,
             kv_cache=kv_cache,
         )
+
+
+def extend_positions(prefix_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """concat(arange(prefix_lens[i], seq_lens[i]) for each i) as one int64 tensor, vectorized."""
+    ext = seq_lens - prefix_lens
+    total = int(ext.sum())
+    starts = torch.cumsum(ext, 0) - ext                        # flat index of each request's first token
+    return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(prefix_lens - starts, ext)

@@ -114,7 +114,7 @@ def test_decode_split_kv(num_splits, dtype):
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])
 def test_decode_long_context_auto_splits(heads, kv_heads):
     """Batch 1 at a long context: the kernel picks split-KV on its own."""
-    assert KERNELS.decode_num_splits(1, kv_heads, 3000) > 1
+    assert KERNELS.decode_num_splits(1, 3000) > 1
     fb, q = make_batch([(2999, 3000)], 1, heads, kv_heads, 64, torch.bfloat16, seed=5, mode=ForwardMode.DECODE)
     layer = RadixAttention(0, heads, kv_heads, 64, 0.125)
     check(fb, q, layer, run(fb, q, layer, kernel_backend()))
