@@ -10,6 +10,8 @@ Datasets (nothing is downloaded; prompts are random token text from the served t
                            a system prompt of --gsp-system-len tokens, then a random question
   multi-turn               --num-conversations conversations of --turns turns; each turn resends the
                            whole history (with the server's real replies) plus a new user message
+  agent                    --num-conversations tool loops of --turns steps through the OpenAI chat
+                           route with tools (bench_agent.py); reports TTFT and cache hits per turn
 
 Load: --request-rate (Poisson arrivals, default inf: all at once) and/or --max-concurrency
 (several values sweep, one run each). Reports request and output throughput, TTFT, TPOT
@@ -44,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_agent  # noqa: E402
 import common  # noqa: E402
 import httpx  # noqa: E402
 import orjson  # noqa: E402
@@ -51,7 +54,7 @@ import serving_compare  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 BACKENDS = ("radixlm", "radixlm-openai", "openai")
-DATASETS = ("random", "generated-shared-prefix", "multi-turn")
+DATASETS = ("random", "generated-shared-prefix", "multi-turn", "agent")
 TURN_OVERHEAD = 16          # chat-template tokens around one more message (an estimate)
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "du", "ga", "ho", "ji", "zu", "fa", "we")
 
@@ -357,8 +360,15 @@ async def bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         for concurrency in args.max_concurrency or [None]:
             if args.flush_cache and args.backend != "openai":
                 await http.post("/flush_cache", headers=args.headers)
-            dataset = make_dataset(args, PromptMaker(tokenizer, args.seed))
             before = await cache_counters(http)
+            if args.dataset == "agent":
+                steps, duration, skipped = await bench_agent.run_agent(
+                    args, http, PromptMaker(tokenizer, args.seed), model, concurrency)
+                after = await settled_counters(http)
+                run = bench_agent.summarize_agent(steps, duration, concurrency, hit_rate(before, after))
+                runs.append({**run, "turns_skipped_context": skipped})
+                continue
+            dataset = make_dataset(args, PromptMaker(tokenizer, args.seed))
             results, duration, skipped = await run_once(args, client, dataset, concurrency)
             after = await settled_counters(http)
             run = summarize_run(results, duration, concurrency, args.request_rate, hit_rate(before, after))
@@ -379,6 +389,8 @@ def table_of(runs: list[dict[str, Any]]) -> str:
              three(r["itl_ms"]), f"{r['cache_hit_rate']:.1%}" if r["cache_hit_rate"] is not None else "-"]
             for r in runs]
     text = common.markdown_table(headers, rows)
+    if any("per_turn" in r for r in runs):
+        text += "\n\nPer turn (agent):\n\n" + bench_agent.per_turn_table(runs)
     skipped = [r.get("turns_skipped_context", 0) for r in runs]
     if any(skipped):
         text += f"\n\nMulti-turn: {'/'.join(map(str, skipped))} later turns left out (history outgrew the context)."
@@ -413,6 +425,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--gsp-system-len", type=int, default=512, help="shared prompt tokens (default: %(default)s)")
     g.add_argument("--num-conversations", type=int, default=16, help="multi-turn (default: %(default)s)")
     g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: %(default)s)")
+    g.add_argument("--agent-tool-choice", default="required",
+                   help="agent: tool_choice of every step: required, auto or none (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly the output length (default: on for radixlm backends, off for openai)")
@@ -434,8 +448,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ignore_eos is None:
         args.ignore_eos = args.backend != "openai"
+    if args.dataset == "agent" and args.backend == "radixlm":
+        args.backend = "radixlm-openai"      # tools need the OpenAI chat route
     if args.openai_endpoint is None:
-        args.openai_endpoint = "chat" if args.dataset == "multi-turn" else "completions"
+        args.openai_endpoint = "chat" if args.dataset in ("multi-turn", "agent") else "completions"
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return args
 

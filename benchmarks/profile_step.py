@@ -41,6 +41,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self._depth = 0            # only the outermost timed call counts (wrapped calls may nest)
 
     def wrap(self, obj: Any, attr: str, phase: str) -> None:
         """Replaces `obj.attr` by a timed call of the original (an instance attribute)."""
@@ -48,10 +49,13 @@ class PhaseTimer:
 
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
+            self._depth += 1
             try:
                 return inner(*a, **kw)
             finally:
-                self.seconds[phase] += time.perf_counter() - t0
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds[phase] += time.perf_counter() - t0
 
         setattr(obj, attr, timed)
 
@@ -98,6 +102,7 @@ def submit(sched: Any, batch_size: int, input_len: int, max_new_tokens: int, see
 def instrument(sched: Any, timer: PhaseTimer) -> None:
     runner = sched.runner
     timer.wrap(runner.model, "forward", "model forward")
+    timer.wrap(runner, "decode_forward", "model forward")       # the compiled path skips model.forward
     timer.wrap(runner.model, "compute_logits", "model forward")
     timer.wrap(runner.attn_backend, "init_forward_metadata", "attn metadata")
     timer.wrap(runner, "make_forward_batch", "batch build")

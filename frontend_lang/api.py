@@ -33,11 +33,12 @@ from radixlm.frontend_lang.ir import (
     SglRoleEnd,
     SglSamplingParams,
     SglSelect,
+    leaves,
     to_expr,
 )
 
 __all__ = [
-    "function", "gen", "gen_int", "gen_string", "select",
+    "function", "gen", "gen_int", "gen_string", "select", "separate_reasoning",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end",
     "set_default_backend", "flush_cache", "get_server_info",
@@ -96,6 +97,23 @@ def gen(
         return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex, json_schema=json_schema,
     ))
+
+
+def separate_reasoning(expr: SglExpr, model_type: str = "qwen3") -> SglExpr:
+    """Splits the output of the named `gen` in `expr`: `s[name]` gets the content and
+    `s[name + "_reasoning_content"]` the reasoning (model_type: a --reasoning-parser name such as
+    qwen3 or deepseek-r1). The prompt text keeps the output as generated."""
+    from radixlm.runtime.parsers import get_reasoning_parser
+
+    get_reasoning_parser(model_type)   # ValueError naming the choices
+    items = list(leaves(to_expr(expr)))
+    gens = [k for k, leaf in enumerate(items) if isinstance(leaf, SglGen) and leaf.name]
+    if not gens:
+        raise ValueError("separate_reasoning needs a named gen(...) in its expression")
+    k = gens[-1]
+    gen_expr = items[k]
+    items[k] = SglGen(gen_expr.name, gen_expr.sampling_params, reasoning_model_type=model_type)
+    return SglExprList(items)
 
 
 def _typed_gen(dtype: type, name: str | None, **kwargs: Any) -> SglExpr:

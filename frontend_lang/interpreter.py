@@ -236,8 +236,22 @@ class StreamExecutor(PromptBuilder):
         return params
 
     def _execute_gen(self, expr: SglGen) -> None:
+        """Runs one gen. n > 1: the variable is the list of n outputs (the prompt continues with the
+        first); separate_reasoning: the variable(s) are split after the output is complete."""
         params = self._resolve_params(expr.sampling_params)
-        if not self.stream:
+        if (params.n or 1) > 1:
+            if self.stream:
+                raise ValueError("gen(n > 1) cannot stream; run the program without stream=True")
+            texts, metas = self.backend.generate(self, params)
+            if not isinstance(texts, list):
+                texts, metas = [texts], [metas]
+            with self.cond:
+                self.text_ += texts[0]
+                if expr.name is not None:
+                    self.variables[expr.name] = list(texts)
+                    self.meta_info[expr.name] = list(metas)
+                self.cond.notify_all()
+        elif not self.stream:
             text, meta = self.backend.generate(self, params)
             self._append_output(expr.name, text, meta, first=True)
         else:
@@ -247,8 +261,26 @@ class StreamExecutor(PromptBuilder):
                 first = False
             if first:  # an empty stream still defines the variable
                 self._append_output(expr.name, "", {}, first=True)
+        if expr.reasoning_name:
+            self._separate_reasoning(expr)
         if expr.name is not None:
             self.variable_event[expr.name].set()
+
+    def _separate_reasoning(self, expr: SglGen) -> None:
+        from radixlm.runtime.parsers import get_reasoning_parser
+
+        parser = get_reasoning_parser(expr.reasoning_model_type or "")
+        value = self.variables[expr.name]
+        splits = [parser.scan(v, final=True) for v in (value if isinstance(value, list) else [value])]
+        with self.cond:
+            if isinstance(value, list):
+                self.variables[expr.name] = [sp.content for sp in splits]
+                self.variables[expr.reasoning_name] = [sp.reasoning for sp in splits]
+            else:
+                self.variables[expr.name] = splits[0].content
+                self.variables[expr.reasoning_name] = splits[0].reasoning
+            self.cond.notify_all()
+        self.variable_event[expr.reasoning_name].set()
 
     def _append_output(self, name: str | None, text: str, meta: dict[str, Any], first: bool) -> None:
         with self.cond:

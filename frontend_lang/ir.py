@@ -135,9 +135,18 @@ class SglConstantText(SglExpr):
 
 
 class SglGen(SglExpr):
-    def __init__(self, name: str | None, sampling_params: SglSamplingParams) -> None:
+    """One generation into variable `name`. With `reasoning_model_type` (set by separate_reasoning)
+    the output is split: `name` gets the content, `name + "_reasoning_content"` the reasoning."""
+
+    def __init__(self, name: str | None, sampling_params: SglSamplingParams,
+                 reasoning_model_type: str | None = None) -> None:
         self.name = name
         self.sampling_params = sampling_params
+        self.reasoning_model_type = reasoning_model_type
+
+    @property
+    def reasoning_name(self) -> str | None:
+        return f"{self.name}_reasoning_content" if self.name and self.reasoning_model_type else None
 
     def __repr__(self) -> str:
         return f"Gen({self.name!r})"
@@ -215,4 +224,6 @@ def produced_var_names(expr: SglExpr) -> list[str]:
     for leaf in leaves(expr):
         if isinstance(leaf, (SglGen, SglSelect, SglVarScopeBegin)) and leaf.name is not None:
             names.append(leaf.name)
+        if isinstance(leaf, SglGen) and leaf.reasoning_name:
+            names.append(leaf.reasoning_name)
     return names

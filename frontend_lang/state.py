@@ -100,6 +100,10 @@ class ProgramState:
         self.stream_executor.sync()
         return self.stream_executor.error_
 
+    def copy(self, position_ids_offset: list[int] | None = None) -> ProgramState:
+        """An independent state continuing from the current prompt and variables (a fork of one)."""
+        return self.fork(1, position_ids_offset)[0]
+
     def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> ProgramStateGroup:
         """`size` states that continue from the current prompt (which is prefilled once, shared)."""
         if position_ids_offset is not None:

@@ -17,6 +17,7 @@ from radixlm.frontend_lang.api import (
     get_server_info,
     greedy_token_selection,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -31,7 +32,7 @@ from radixlm.frontend_lang.backend.base import BackendError
 from radixlm.frontend_lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
-    "function", "gen", "gen_int", "gen_string", "select",
+    "function", "gen", "gen_int", "gen_string", "select", "separate_reasoning",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end",
     "set_default_backend", "flush_cache", "get_server_info",

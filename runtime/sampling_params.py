@@ -165,6 +165,10 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, spec) of the grammar constraint, if any."""
         for kind in GRAMMAR_FIELDS:

@@ -81,10 +81,14 @@ class OpenAI(BaseBackend):
             raise BackendError(_api_error_message(exc), exc.status_code) from exc
 
     def generate(self, s: PromptState, sampling_params: SglSamplingParams) -> tuple[str, dict[str, Any]]:
-        resp = self._call(s, self._request_kwargs(sampling_params), stream=False)
-        choice = resp.choices[0]
-        text = (choice.message.content if self.is_chat_model else choice.text) or ""
-        return text, _meta(resp.id, choice.finish_reason, resp.usage)
+        kwargs = self._request_kwargs(sampling_params)
+        n = sampling_params.n or 1
+        if n > 1:
+            kwargs["n"] = n
+        resp = self._call(s, kwargs, stream=False)
+        texts = [(c.message.content if self.is_chat_model else c.text) or "" for c in resp.choices]
+        metas = [_meta(resp.id, c.finish_reason, resp.usage) for c in resp.choices]
+        return (texts, metas) if n > 1 else (texts[0], metas[0])
 
     def generate_stream(self, s: PromptState, sampling_params: SglSamplingParams
                         ) -> Iterator[tuple[str, dict[str, Any]]]:

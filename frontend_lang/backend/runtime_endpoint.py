@@ -80,13 +80,16 @@ class RuntimeEndpoint(BaseBackend):
 
     # ---------------------------------------------------------- generation
     def _generate_body(self, text: str, params: SglSamplingParams, stream: bool) -> dict[str, Any]:
-        if params.n not in (None, 1):
-            raise ValueError("gen(n > 1) is not supported by the DSL; use s.fork(n) instead")
+        if stream and params.n not in (None, 1):
+            raise ValueError("gen(n > 1) cannot stream")
         return {"text": text, "sampling_params": params.to_srt_kwargs(), "stream": stream,
                 **params.logprob_kwargs()}
 
-    def generate(self, s: PromptState, sampling_params: SglSamplingParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, s: PromptState, sampling_params: SglSamplingParams) -> tuple[Any, Any]:
+        """(text, meta_info); with n > 1, (list of n texts, list of n meta_infos)."""
         obj = self.generate_raw(self._generate_body(s.text_, sampling_params, stream=False))
+        if isinstance(obj, list):
+            return [o["text"] for o in obj], [o["meta_info"] for o in obj]
         return obj["text"], obj["meta_info"]
 
     def generate_stream(self, s: PromptState, sampling_params: SglSamplingParams

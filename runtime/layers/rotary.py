@@ -78,15 +78,19 @@ class RotaryEmbedding(nn.Module):
         """The rows of `positions`, full width, in `dtype`. Every layer of one forward pass passes the
         same `positions` tensor, so the gather is done once per pass and reused (keyed on the tensor
         object and its version counter; side effect: keeps a reference to the last `positions`)."""
-        compiling = torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():          # traced once; the compiler dedupes the gathers
+            return self._gather(positions, dtype)
         last = self._last
         version = _version_of(positions)
-        if not compiling and last is not None and last[0] is positions and last[1:3] == (version, dtype):
+        if last is not None and last[0] is positions and last[1:3] == (version, dtype):
             return last[3], last[4]
-        cos = self.cos_cache[positions].repeat(1, 2).to(dtype)[:, None, :]
+        cos, sin = self._gather(positions, dtype)
+        self._last = (positions, version, dtype, cos, sin)
+        return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].repeat(1, 2).to(dtype)[:, None, :]     # [n, 1, head_dim]
         sin = self.sin_cache[positions].repeat(1, 2).to(dtype)[:, None, :]
-        if not compiling:
-            self._last = (positions, version, dtype, cos, sin)
         return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

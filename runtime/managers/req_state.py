@@ -13,11 +13,20 @@ token id, close to the JSON size):
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import gc
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 ESTIMATED_ENTRY_BYTES = 40      # one [logprob, token_id, text] triple in JSON
+TRIM_AFTER_BYTES = 16 * 1024 * 1024
+TRIM_DELAY_S = 1.0
 
 
 @dataclass
@@ -92,6 +101,13 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
+    def warm(self, vocab_size: int) -> None:
+        """Fills the cache for every token id at once (about 10 us per id). Done at startup, the
+        strings sit together in memory instead of pinning heap pages between per-request objects,
+        so the process's memory shrinks back after large logprob responses."""
+        for tid in range(vocab_size):
+            self.text(tid)
+
     def text(self, tid: int) -> str:
         """Non-empty display text of one token (special tokens included)."""
         text = self._cache.get(tid)
@@ -106,3 +122,45 @@ class TokenTexts:
         if nested:
             return [None if top is None else self.triples(top, with_text) for top in entries or []]
         return [[lp, tid, self.text(tid) if with_text else None] for lp, tid in entries or []]
+
+
+class MemoryTrimmer:
+    """Gives the memory of large finished outputs back to the OS once the manager is idle: glibc keeps
+    freed heap pages, so without this the process's RSS would stay at its peak after big responses.
+
+    `note_released(nbytes)` after requests are forgotten; when TRIM_AFTER_BYTES have been released and
+    `is_idle()` still holds TRIM_DELAY_S later, runs gc.collect() and malloc_trim(0) on the event loop
+    (milliseconds; only when no request is in flight)."""
+
+    def __init__(self, is_idle: Callable[[], bool]):
+        self.is_idle = is_idle
+        self.released = 0
+        self._scheduled = False
+        self._malloc_trim = _load_malloc_trim()
+
+    def note_released(self, nbytes: int) -> None:
+        self.released += nbytes
+        if self.released >= TRIM_AFTER_BYTES and not self._scheduled and self.is_idle():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:          # a generator closed outside its loop (shutdown)
+                return
+            self._scheduled = True
+            loop.call_later(TRIM_DELAY_S, self._trim)
+
+    def _trim(self) -> None:
+        self._scheduled = False
+        if not self.is_idle():
+            return
+        self.released = 0
+        gc.collect()
+        if self._malloc_trim is not None:
+            self._malloc_trim(0)
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):      # not glibc (macOS, musl): nothing to trim
+        return None

@@ -39,7 +39,7 @@ from radixlm.runtime.managers.io_struct import (
     TokenizedGenerateReq,
 )
 from radixlm.runtime.managers.ipc import AsyncPuller, AsyncPusher, PortArgs
-from radixlm.runtime.managers.req_state import ReqState, TokenTexts, charge_output, over_budget
+from radixlm.runtime.managers.req_state import MemoryTrimmer, ReqState, TokenTexts, charge_output, over_budget
 from radixlm.runtime.managers.request_builder import RequestBuilder
 from radixlm.runtime.managers.rid_registry import RidRegistry
 from radixlm.runtime.router.dp_router import DPRouter
@@ -89,6 +89,8 @@ class TokenizerManager:
         self.stats_by_dp_rank: dict[int, SchedulerStats] = {}
         self.dead_message: str | None = None
         self.token_texts = TokenTexts(self.tokenizer)
+        self.token_texts.warm(len(self.tokenizer))
+        self.trimmer = MemoryTrimmer(lambda: not self.rid_to_state)
         self._control_waiters: dict[type, deque[asyncio.Future]] = {FlushCacheOut: deque(),
                                                                      GetInternalStateOut: deque()}
         self._control_lock: asyncio.Lock | None = None
@@ -191,6 +193,7 @@ class TokenizerManager:
                 self._send_all(AbortReq(st.rid, "client went away"))
             self.rids.release(st, draining=running)   # the rid stays taken until the abort comes back
             self._report_finished(st, aborted=not st.finished or st.finish_reason.get("type") == "abort")
+        self.trimmer.note_released(sum(st.out_bytes for st in states))
 
     async def _watch_disconnect(self, request: Any, states: list[ReqState]) -> None:
         while not all(st.finished for st in states):

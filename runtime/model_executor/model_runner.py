@@ -19,6 +19,7 @@ import torch
 
 from radixlm.runtime.layers.attention.base import create_backend
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
+from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.server_args import ServerArgs
@@ -56,6 +57,9 @@ class ModelRunner:
         self.attn_backend = create_backend(
             self._pick_backend(), num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
             head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype)
+        self.decode_forward = CompiledDecode(self.model, server_args.enable_torch_compile)
+        if server_args.enable_torch_compile:
+            logger.info("torch.compile on: decode passes compile on first use of each batch-size class")
 
     # ------------------------------------------------------------- setup
     def _pick_backend(self) -> str:
@@ -144,7 +148,10 @@ class ModelRunner:
         """Runs the model; returns logits at each request's last new token, plus at `extra_logit_rows`
         (flat token rows of this batch, for input logprobs)."""
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)            # [num_tokens, hidden]
+        if fb.forward_mode.is_decode:
+            hidden = self.decode_forward(fb)                           # [bs, hidden]
+        else:
+            hidden = self.model(fb.input_ids, fb.positions, fb)        # [num_tokens, hidden]
         extra = extra_logit_rows or []
         if fb.forward_mode.is_decode and not extra:                    # one row per request already
             return LogitsOutput(self.model.compute_logits(hidden).float(), None)

@@ -88,6 +88,7 @@ class ChatStreamState:
         self.reasoning_len = 0
         self.content_len = 0
         self.calls_sent = 0
+        self.args_sent: list[int] = []      # chars of each call's arguments sent
 
     @property
     def called(self) -> bool:
@@ -102,10 +103,16 @@ class ChatStreamState:
         if len(parsed.content) > self.content_len:
             delta["content"] = parsed.content[self.content_len:]
             self.content_len = len(parsed.content)
-        new_calls = parsed.calls[self.calls_sent:]
-        if new_calls:
-            delta["tool_calls"] = [{"index": self.calls_sent + k, "id": new_call_id(), "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}}
-                                   for k, c in enumerate(new_calls)]
-            self.calls_sent = len(parsed.calls)
+        calls = []
+        for i, call in enumerate(parsed.calls):
+            if i >= len(self.args_sent):   # a new call: id, name and the arguments so far
+                calls.append({"index": i, "id": new_call_id(), "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}})
+                self.args_sent.append(len(call.arguments))
+            elif len(call.arguments) > self.args_sent[i]:   # more of a call's arguments
+                calls.append({"index": i, "function": {"arguments": call.arguments[self.args_sent[i]:]}})
+                self.args_sent[i] = len(call.arguments)
+        self.calls_sent = len(self.args_sent)
+        if calls:
+            delta["tool_calls"] = calls
         return delta

@@ -12,9 +12,10 @@ the calls, each with `arguments` as a JSON string. A call whose text does not pa
 not among the request's tools) stays in the content as it was written.
 
 Monotone, as the reasoning parser: for a prefix of the output (final=False) the content is a prefix
-of the final content and the calls a prefix of the final calls, so a stream sends only growth. A call
-is reported once its text is complete (its closing marker, or the JSON/Python value closing), so its
-arguments arrive in one fragment; text that may still become a call is held back until decided.
+of the final content, each call's name is final once reported and its arguments a prefix of the
+final arguments, so a stream sends only growth. hermes streams arguments as they are written (see
+HermesParser); the other formats report a call once its text is complete (the JSON / Python value
+closing), so its arguments arrive in one fragment. Text that may still become a call is held back.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixlm.runtime.parsers.json_prefix import json_prefix_end
 
 _DECODER = json.JSONDecoder()
 
@@ -118,9 +121,17 @@ class ToolCallParser:
 
 
 class HermesParser(ToolCallParser):
-    """`<tool_call>{json}</tool_call>` blocks (Hermes, Qwen2.5, Qwen3)."""
+    """`<tool_call>{json}</tool_call>` blocks (Hermes, Qwen2.5, Qwen3).
+
+    A block that starts `{"name": "<known tool>", "arguments": {` is a call from then on: its
+    arguments stream as they grow (the raw text, as long as it is the start of a JSON value). If
+    they turn out malformed, the call keeps the arguments up to the error and the rest of the block
+    becomes content. Other blocks (other key order, unknown name, bad JSON) are decided when they
+    close: a call (arguments re-serialized) or content.
+    """
 
     start, end = "<tool_call>", "</tool_call>"
+    header = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
     def scan(self, text: str, final: bool, names: set[str] | None = None) -> ToolScan:
         out = _Builder()
@@ -132,15 +143,27 @@ class HermesParser(ToolCallParser):
                 return out.result(final, 0 if final else _partial_suffix(text[pos:], self.start))
             out.text(text[pos:at])
             close = text.find(self.end, at)
-            if close < 0 and not final:
-                return out.result(final)            # an open block: decided when it closes
+            closed = close >= 0 or final
             inner_end = len(text) if close < 0 else close
             block_end = len(text) if close < 0 else close + len(self.end)
-            call = self._parse_block(text[at + len(self.start):inner_end], names)
-            if call is None:
-                out.text(text[at:block_end])
+            inner = text[at + len(self.start):inner_end]
+            head = self.header.match(inner)
+            if head and (names is None or head.group(1) in names):
+                args_end, _ = json_prefix_end(inner, head.end())
+                out.call(ToolCall(head.group(1), inner[head.end():args_end]))
+                if not closed:
+                    return out.result(final)        # the call is still growing
+                rest = inner[args_end:]
+                if rest.strip() != "}":
+                    out.text(rest)
+            elif not closed:
+                return out.result(final)            # an open block: decided when it closes
             else:
-                out.call(call)
+                call = self._parse_block(inner, names)
+                if call is None:
+                    out.text(text[at:block_end])
+                else:
+                    out.call(call)
             pos = block_end
 
     @staticmethod
@@ -188,37 +211,36 @@ class Llama3Parser(_JsonListParser):
                 return ToolScan()
             out.text(text)
             return out.result(final, 0 if final else _partial_suffix(text, self.marker))
-        calls, end = self._parse_calls(text, start, names)
-        if calls is None:
-            if not final:
-                return out.result(final)
-            out.text(text[start if at < 0 else at:])
+        calls, end, complete = self._parse_calls(text, start, names)
+        if not calls:
+            if final:
+                out.text(text[start if at < 0 else at:])
             return out.result(final)
-        for call in calls:
+        for call in calls:                     # calls parsed so far stand (monotone)
             out.call(call)
-        if end < len(text) and (final or text[end:].strip()):
+        if complete or final:
             out.text(text[end:])
         return out.result(final)
 
-    def _parse_calls(self, text: str, pos: int, names: set[str] | None) -> tuple[list[ToolCall] | None, int]:
-        """`obj (; obj)*` from pos up to the end (trailing whitespace allowed)."""
+    def _parse_calls(self, text: str, pos: int, names: set[str] | None) -> tuple[list[ToolCall], int, bool]:
+        """`obj (; obj)*` from pos: (calls parsed, where the rest starts, whether the rest is only
+        whitespace). A failing or unfinished object ends the list; the rest starts at its `;`."""
         calls: list[ToolCall] = []
         while True:
+            start = pos
             while pos < len(text) and text[pos].isspace():
                 pos += 1
             try:
                 obj, pos = _DECODER.raw_decode(text, pos)
             except json.JSONDecodeError:
-                return None, pos
+                return calls, start, False
             call = _call_from_json(obj, names, self.args_keys)
             if call is None:
-                return None, pos
+                return calls, start, False
             calls.append(call)
             rest = text[pos:].lstrip()
             if not rest.startswith(";"):
-                if rest:
-                    return None, pos
-                return calls, len(text)
+                return calls, pos, not rest
             pos = text.index(";", pos) + 1
 
     def call_regex(self, name: str, args_regex: str) -> str:

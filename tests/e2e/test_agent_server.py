@@ -24,14 +24,14 @@ USER = [{"role": "system", "content": "You are an agent."}, {"role": "user", "co
 
 @pytest.fixture(scope="module")
 def tools_server(qwen2_path: str):
-    srv = start_server(qwen2_path, *FLAGS)
+    srv = start_server(qwen2_path, *FLAGS, timeout=600)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def thinking_server(qwen2_path: str):
-    srv = start_server(qwen2_path, *FLAGS, "--reasoning-parser", "qwen3")
+    srv = start_server(qwen2_path, *FLAGS, "--reasoning-parser", "qwen3", timeout=600)
     yield srv
     srv.stop()
 

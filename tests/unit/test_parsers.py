@@ -46,18 +46,29 @@ def _merge(acc: dict, delta: dict) -> None:
     for key in ("reasoning_content", "content"):
         acc[key] += delta.get(key, "")
     for call in delta.get("tool_calls", []):
-        assert call["index"] == len(acc["tool_calls"])
-        acc["tool_calls"].append(call["function"])
+        if "id" in call:      # a new call: index, id, type, name and the arguments so far
+            assert call["index"] == len(acc["tool_calls"]) and call["type"] == "function"
+            acc["tool_calls"].append(dict(call["function"]))
+        else:                 # more arguments of a call already started
+            assert set(call["function"]) == {"arguments"}
+            acc["tool_calls"][call["index"]]["arguments"] += call["function"]["arguments"]
 
 
 def check_streaming(parser: ChatOutputParser, text: str) -> dict:
     """Asserts streamed == non-streamed for every split; returns the non-streamed message."""
     full = parser.parse(text, final=True)
+    prev = parser.parse("", final=False)
     for cut in range(len(text) + 1):
         part = parser.parse(text[:cut], final=False)
+        assert part.content.startswith(prev.content) and len(part.calls) >= len(prev.calls), (cut, prev, part)
+        for have, grown in zip(prev.calls, part.calls):
+            assert have.name == grown.name and grown.arguments.startswith(have.arguments), (cut, prev, part)
+        prev = part
         assert full.content.startswith(part.content), (cut, part, full)
         assert (full.reasoning or "").startswith(part.reasoning or ""), (cut, part, full)
-        assert full.calls[:len(part.calls)] == part.calls, (cut, part, full)
+        assert len(part.calls) <= len(full.calls), (cut, part, full)
+        for have, want in zip(part.calls, full.calls):
+            assert have.name == want.name and want.arguments.startswith(have.arguments), (cut, part, full)
     for step in (1, 2, 3, 7):
         acc = stream_message(parser, text, step)
         assert acc["content"] == full.content
@@ -87,13 +98,31 @@ def test_hermes_single_parallel_and_text(name: str) -> None:
 
 def test_hermes_malformed_and_unknown_are_content() -> None:
     p = tools("hermes", {"get_weather"})
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    bad = '<tool_call>\n{"name": get_weather, "arguments": {"city": "x"}}\n</tool_call>'
     out = check_streaming(p, "a " + bad + " b")
     assert out["content"] == "a " + bad + " b" and not out["calls"]
     unknown = hermes_call("rm_rf", {})
     assert check_streaming(p, unknown)["content"] == unknown
     truncated = '<tool_call>\n{"name": "get_weather", "argu'
     assert check_streaming(p, truncated)["content"] == truncated
+    swapped = '<tool_call>{"arguments": {"city": "x"}, "name": "get_weather"}</tool_call>'
+    assert check_streaming(p, swapped)["calls"] == [ToolCall("get_weather", '{"city": "x"}')]
+
+
+def test_hermes_streams_arguments_and_keeps_a_call_broken_after_its_name() -> None:
+    """Once `{"name": known, "arguments": {` is written the call stands (its arguments stream); bad
+    JSON later cuts the arguments where it starts, and the rest of the block becomes content."""
+    p = tools("hermes", {"get_weather"})
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": ]}\n</tool_call> after'
+    out = check_streaming(p, broken)
+    assert out["calls"] == [ToolCall("get_weather", '{"city": ')] and out["content"] == "]}\n after"
+    cut = check_streaming(p, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    assert cut["calls"] == [ToolCall("get_weather", '{"city": "Par')]      # max_tokens hit mid-call
+    text = hermes_call("get_weather", ARGS)
+    state = ChatStreamState(p)
+    fragments = [d["tool_calls"][0]["function"]["arguments"]
+                 for k in range(len(text) + 1) if (d := state.delta(text[:k], final=k == len(text))).get("tool_calls")]
+    assert len(fragments) > 5 and "".join(fragments) == ARGS_JSON    # arguments arrive as they grow
 
 
 def test_hermes_arguments_as_json_string_and_unclosed_block() -> None:

@@ -184,3 +184,27 @@ def test_unsent_budget_applies_to_streams_and_skips_input_logprobs() -> None:
     for _ in range(200):
         charge_output(plain, _tok(1, 20), "x")
     assert over_budget(plain, 10**9, 1) is None        # not a stream: only the response cap applies
+
+
+def test_memory_trimmer_runs_once_idle_after_large_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    import radixlm.runtime.managers.req_state as req_state
+
+    monkeypatch.setattr(req_state, "TRIM_DELAY_S", 0.0)
+    calls: list[int] = []
+
+    async def run() -> None:
+        idle = {"now": False}
+        trimmer = req_state.MemoryTrimmer(lambda: idle["now"])
+        trimmer._malloc_trim = calls.append
+        trimmer.note_released(req_state.TRIM_AFTER_BYTES)      # busy: nothing scheduled
+        await asyncio.sleep(0.01)
+        assert calls == []
+        idle["now"] = True
+        trimmer.note_released(1)
+        await asyncio.sleep(0.01)
+        assert calls == [0] and trimmer.released == 0
+        trimmer.note_released(1)                               # below the threshold again
+        await asyncio.sleep(0.01)
+        assert calls == [0]
+
+    asyncio.run(run())
