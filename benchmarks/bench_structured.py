@@ -97,21 +97,9 @@ def train_tokenizer(vocab_size: int) -> Path:
     target = common.default_model_cache() / f"bpe-{vocab_size}"
     if (target / "tokenizer.json").exists():
         return target
-    import importlib.util
+    from radixlm.testing.models import stdlib_texts, train_bpe_tokenizer
 
-    spec = importlib.util.spec_from_file_location("tiny", REPO / "scripts" / "make_tiny_models.py")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=tiny.SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(tiny.stdlib_texts(12_000_000), trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>").save_pretrained(str(target))
+    train_bpe_tokenizer(stdlib_texts(12_000_000), vocab_size).save_pretrained(str(target))
     return target
 
 

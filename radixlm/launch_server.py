@@ -32,10 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from radixlm.runtime.entrypoints.http_server import launch_server
+    from radixlm.runtime.entrypoints.server_lifecycle import run_server
 
     try:
-        launch_server(ServerArgs.from_cli_args(args))
+        run_server(ServerArgs.from_cli_args(args))
     except (ValueError, RuntimeError, OSError) as e:   # startup errors: a message, not a traceback
         print(f"radixlm-server: error: {e}", file=sys.stderr)
         sys.exit(1)

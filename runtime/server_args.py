@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +105,10 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
     log_level: str = _f("info", "Log level.", ("debug", "info", "warning", "error"))
-    log_requests: bool = _f(False, "Log every request's inputs and outputs (debug aid).")
+    log_requests: bool = _f(False, "Log every request's method, route and body (debug aid; bodies hold prompts).")
+    log_level_http: str | None = _f(None, "Log level of the HTTP server (uvicorn); default: --log-level.",
+                                    ("debug", "info", "warning", "error"))
+    enable_access_log: bool = _f(False, "Log one uvicorn access line per HTTP request (method, path, status).")
     decode_log_interval: int = _f(40, "Log a decode batch line every this many decode steps (0: never).")
     enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
     random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
@@ -185,6 +187,8 @@ class ServerArgs:
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()
+        if self.grammar_backend == "llguidance":
+            raise ValueError("--grammar-backend llguidance is not supported; use outlines (default) or xgrammar")
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
 
@@ -240,9 +244,5 @@ def default_model_path() -> str:
     import radixlm
 
     return os.path.join(os.path.dirname(radixlm.__file__), "demo_model")
-
-
-def make_ipc_dir() -> str:
-    return tempfile.mkdtemp(prefix="radixlm-ipc-")
 
 

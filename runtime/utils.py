@@ -1,4 +1,4 @@
-"""Small process helpers shared by the child processes."""
+"""Small process helpers shared by the server and its child processes."""
 
 from __future__ import annotations
 
@@ -9,25 +9,30 @@ import signal
 import socket
 import sys
 
+READY_LINE = "The server is fired up and ready to roll!"   # logged once the warm-up generation worked
+
 
 def configure_logging(level: str, prefix: str) -> None:
+    """Replaces the root logger's handlers: `[12:00:00 prefix] INFO message` lines on stderr."""
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), force=True,
                         format=f"[%(asctime)s {prefix}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
 
 
-def kill_self_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so no child is ever orphaned."""
+def kill_self_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no child is ever orphaned.
+    Exits at once when the parent (`parent_pid`, or any parent when None) is already gone."""
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:          # the parent already died before prctl took effect
-            os._exit(1)
     except OSError:
-        pass
+        return
+    ppid = os.getppid()
+    if ppid == 1 or (parent_pid is not None and ppid != parent_pid):   # died before prctl took effect
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from radixlm.testing.models import EOS_TOKEN, PAD_TOKEN, stdlib_texts, train_bpe_tokenizer
+
 VOCAB_SIZE = 2000
 TRAIN_BYTES = 3_000_000
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 COMMON_CONFIG = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -40,41 +33,9 @@ COMMON_CONFIG = dict(
 )
 
 
-def stdlib_texts(max_bytes: int = TRAIN_BYTES) -> Iterator[str]:
-    """Yields the text of stdlib .py files (sorted, so deterministic) until `max_bytes` are read."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    for path in sorted(stdlib.glob("*.py")):
-        text = path.read_bytes().decode("utf-8", errors="ignore")
-        yield text
-        total += len(text)
-        if total >= max_bytes:
-            return
-
-
 def build_tokenizer(out_dir: Path):
-    """Trains a byte-level BPE on stdlib source and saves it as an HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(stdlib_texts(), trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS,
-    )
-    hf_tok.chat_template = CHATML_TEMPLATE
+    """Trains the byte-level BPE on stdlib source and saves it as an HF fast tokenizer."""
+    hf_tok = train_bpe_tokenizer(stdlib_texts(TRAIN_BYTES), VOCAB_SIZE)
     hf_tok.save_pretrained(str(out_dir))
     return hf_tok
 
@@ -125,8 +86,8 @@ def build_all(out_dir: str) -> dict[str, str]:
     tok_dir = out / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(tok_dir)
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     paths: dict[str, str] = {}
     for seed, (name, config) in enumerate(model_specs(len(tokenizer), eos_id, pad_id).items()):
         folder = out / name

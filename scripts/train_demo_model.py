@@ -28,15 +28,10 @@ from pathlib import Path
 
 import torch
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from radixlm.testing.models import train_bpe_tokenizer
+
 VOCAB_SIZE = 768
 SPLIT_SEED = 20240601  # fixes the held-out split; independent of --seed
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 MODEL_CONFIG = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=3,
                     num_key_value_heads=3, max_position_embeddings=1024, rms_norm_eps=1e-6,
                     initializer_range=0.02, tie_word_embeddings=True,
@@ -223,21 +218,7 @@ def sample_document(rng: random.Random, split: Split) -> tuple[str, Spans]:
 # ----------------------------------------------------------------- tokenizer
 def train_tokenizer(texts: list[str]):
     """Byte-level BPE with digits split one by one; returns an HF PreTrainedTokenizerFast (ChatML)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     additional_special_tokens=SPECIAL_TOKENS)
-    hf_tok.chat_template = CHATML_TEMPLATE
-    return hf_tok
+    return train_bpe_tokenizer(texts, VOCAB_SIZE, split_digits=True)
 
 
 def encode_documents(tokenizer, docs: list[tuple[str, Spans]]) -> list[tuple[list[int], list[int]]]:

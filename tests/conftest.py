@@ -1,6 +1,6 @@
 """Shared pytest set-up: the `--runslow` / `cuda` markers and the tiny offline model fixtures.
 
-The tiny models are built once per script version into `$TMPDIR/radixlm-tiny-models-<hash>` and
+The tiny models are built once per version of their build code into `$TMPDIR/radixlm-tiny-models-<hash>` and
 reused by later sessions; a lock file keeps parallel sessions from building them at the same time.
 Helpers that need more shared fixtures add them in a clearly marked section below.
 """
@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_SCRIPT = REPO_ROOT / "scripts" / "make_tiny_models.py"
+TINY_SOURCES = (TINY_SCRIPT, REPO_ROOT / "radixlm" / "testing" / "models.py")   # their bytes key the cache
 TINY_MODEL_NAMES = ("llama", "qwen2", "qwen3")
 
 
@@ -56,7 +57,8 @@ def tiny_models_dir() -> Path:
     """The cache folder for this version of the build script and of transformers."""
     import transformers
 
-    digest = hashlib.sha256(TINY_SCRIPT.read_bytes() + transformers.__version__.encode()).hexdigest()[:12]
+    sources = b"".join(p.read_bytes() for p in TINY_SOURCES)
+    digest = hashlib.sha256(sources + transformers.__version__.encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / f"radixlm-tiny-models-{digest}"
 
 

@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 API_KEY = "sk-test-7f3a9c"
 MAX_BYTES = 65536
@@ -131,11 +131,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS, api_key=API_KEY)
-    yield srv
-    srv.stop()
+server = server_fixture(*SERVER_FLAGS, api_key=API_KEY)
 
 
 def send(server: ServerProcess, method: str, path: str, body: dict | bytes | None,

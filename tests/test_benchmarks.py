@@ -40,7 +40,7 @@ def read_result(out_dir: Path, stem: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(qwen2_path: str):
     common = load_bench("common")
-    with common.LaunchedServer(["--model-path", qwen2_path, "--device", "cpu", "--dtype", "float32",
+    with common.launch_bench_server(["--model-path", qwen2_path, "--device", "cpu", "--dtype", "float32",
                                 "--max-total-tokens", "8192", "--log-level", "warning"]) as srv:
         yield srv
 

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +22,7 @@ import pytest
 
 from radixlm.runtime.server_args import default_model_path
 from tests.helpers import SchedulerHarness
-from tests.server_fixtures import REPO_ROOT, ServerProcess, free_port
+from tests.server_fixtures import REPO_ROOT, ServerProcess, start_server
 
 DEMO_DIR = Path(default_model_path())
 TRAIN_SCRIPT = REPO_ROOT / "scripts" / "train_demo_model.py"
@@ -104,15 +101,7 @@ def test_heldout_arithmetic_through_scheduler(heldout, tokenizer) -> None:
 @pytest.fixture(scope="module")
 def default_server():
     """`python -m radixlm.launch_server` with no --model-path: it must serve the bundled model."""
-    port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix=f"radixlm-demo-server-{port}-", suffix=".log")
-    cmd = [sys.executable, "-m", "radixlm.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    os.close(log_fd)
-    server = ServerProcess(proc, port, Path(log_name), api_key=None)
-    server.wait_ready(180)
+    server = start_server(None, "--device", "cpu")
     yield server
     server.stop()
 

@@ -16,20 +16,15 @@ import httpx
 import pytest
 
 import radixlm.api as sgl
-from radixlm.frontend_lang.backend.runtime import descendant_pids
 from radixlm.frontend_lang.ir import REGEX_INT
 from radixlm.frontend_lang.lint import PrefixCacheLintWarning
-from tests.server_fixtures import ServerProcess, metric_values, pid_alive, start_server
+from tests.server_fixtures import ServerProcess, descendant_pids, metric_values, pid_alive, server_fixture
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "32768")
 SYSTEM_SENTENCE = "You answer questions about the Python standard library, citing the module name. "
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS)
-    yield srv
-    srv.stop()
+server = server_fixture(*SERVER_FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import radixlm
+from radixlm.testing.server import pid_alive
 
 pytestmark = pytest.mark.timeout(180)     # a hang (a lost wake-up, a dead child) fails, never blocks
 
@@ -297,14 +298,6 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 # ------------------------------------------------------------------ failures
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):

@@ -28,7 +28,14 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixtures import ServerProcess, pid_alive, start_server, wait_kv_free
+from tests.server_fixtures import (
+    ServerProcess,
+    descendant_pids,
+    pid_alive,
+    server_fixture,
+    start_server,
+    wait_kv_free,
+)
 
 BASE_FLAGS = ("--device", "cpu", "--dtype", "float32")
 MAX_RUNNING, MAX_QUEUED, MAX_BYTES, REQUEST_TIMEOUT = 2, 2, 4096, 0.5
@@ -45,12 +52,7 @@ LONG = {"max_new_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
 TIMEOUT_REASON = {"type": "abort", "message": "timeout"}
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *OVERLOAD_FLAGS, env=ONE_THREAD)
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
+server = server_fixture(*OVERLOAD_FLAGS, env=ONE_THREAD, clean_exit=True)
 
 
 def sse_data(text: str) -> list:
@@ -201,24 +203,6 @@ def test_server_request_timeout_aborts(server: ServerProcess) -> None:
 
 
 # ---------------------------------------------------------------------- child faults
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...), read from /proc."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, parent in parent_of.items() if parent in frontier]
-        found += kids
-        frontier = kids
-    return found
-
-
 def bound_ipc_endpoints(pid: int) -> set[str]:
     """The file names of the unix sockets `pid` has bound (`scheduler`, `detokenizer`, ...)."""
     inode_to_path = {}
@@ -239,7 +223,7 @@ def bound_ipc_endpoints(pid: int) -> set[str]:
 
 
 def child_with_endpoint(server: ServerProcess, endpoint: str) -> int:
-    for pid in descendants(server.proc.pid):
+    for pid in descendant_pids(server.proc.pid):
         try:
             if endpoint in bound_ipc_endpoints(pid):
                 return pid
@@ -329,7 +313,7 @@ def test_child_killed_mid_traffic(llama_path: str, endpoint: str) -> None:
     srv = start_server(llama_path, *FAULT_FLAGS, env=ONE_THREAD)
     try:
         target = child_with_endpoint(srv, endpoint)
-        tree = descendants(srv.proc.pid)
+        tree = descendant_pids(srv.proc.pid)
         assert target in tree and len(tree) >= 2, tree
         outcomes, kill_time = _run_and_kill(srv, target)
         for o in outcomes:

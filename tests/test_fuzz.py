@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "128", "--max-total-tokens", "4096",
                 "--request-timeout", "3", "--max-request-bytes", "262144")
@@ -44,12 +44,7 @@ FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,
                      suppress_health_check=list(HealthCheck))
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS, env=ONE_THREAD)
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
+server = server_fixture(*SERVER_FLAGS, env=ONE_THREAD, clean_exit=True)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -35,6 +34,7 @@ from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool, Token
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
 from radixlm.runtime.models.weight_loader import load_model
+from radixlm.runtime.utils import free_port
 
 TOL = 1e-3
 # transformers is imported inside the tests that use it: the TP workers spawned below import this
@@ -254,12 +254,6 @@ def test_shard_shape_mismatch_is_refused() -> None:
 
 
 # ----------------------------------------------------------------- TP = 2 over gloo
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _tp_worker(rank: int, size: int, port: int, paths: dict[str, str], out_dir: str) -> None:
     torch.set_num_threads(1)
     init_tp_group(rank, size, "gloo", f"tcp://127.0.0.1:{port}")
@@ -279,7 +273,7 @@ def _tp_worker(rank: int, size: int, port: int, paths: dict[str, str], out_dir: 
 def test_tp2_gloo_matches_tp1(tiny_models: dict[str, str], tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    mp.start_processes(_tp_worker, args=(2, _free_port(), tiny_models, str(tmp_path)), nprocs=2,
+    mp.start_processes(_tp_worker, args=(2, free_port(), tiny_models, str(tmp_path)), nprocs=2,
                        start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, path in tiny_models.items():

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 API_KEY = "sk-radixlm-secret-4d9e1b7c"
 ONE_THREAD = {"RADIXLM_NUM_THREADS": "1"}   # see tests/test_soak.py
@@ -46,13 +46,8 @@ def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str, template_file: Path):
-    srv = start_server(llama_path, *SERVER_FLAGS, "--chat-template", str(template_file), api_key=API_KEY,
-                       env=ONE_THREAD)
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
+server = server_fixture(*SERVER_FLAGS, api_key=API_KEY, env=ONE_THREAD, clean_exit=True,
+                        more_flags=lambda request: ["--chat-template", str(request.getfixturevalue("template_file"))])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import signal
 import time
 
 import httpx
-import pytest
 
 from tests.helpers import hf_greedy
 from tests.server_fixtures import (
@@ -21,6 +20,7 @@ from tests.server_fixtures import (
     child_pids,
     metric_values,
     pid_alive,
+    server_fixture,
     start_server,
     wait_kv_free,
 )
@@ -28,12 +28,7 @@ from tests.server_fixtures import (
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "512", "--max-total-tokens", "16384")
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS)
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"server exited with {code} on SIGTERM:\n{srv.log_tail()}"
+server = server_fixture(*SERVER_FLAGS, clean_exit=True)
 
 
 def post(server: ServerProcess, path: str, body: dict, timeout: float = 60.0) -> httpx.Response:

@@ -19,18 +19,14 @@ from radixlm.runtime.entrypoints.chat_template import (
     normalize_messages,
     resolve_chat_template,
 )
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "512", "--max-total-tokens", "16384",
                 "--served-model-name", "tiny-llama")
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
 
 
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS)
-    yield srv
-    srv.stop()
+server = server_fixture(*SERVER_FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_fixtures import ServerProcess, kv_state, metric_values, start_server, wait_kv_free
+from tests.server_fixtures import (
+    ServerProcess,
+    kv_state,
+    metric_values,
+    server_fixture,
+    wait_kv_free,
+)
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "512", "--max-total-tokens", "1500",
                 "--schedule-conservativeness", "0.3")
@@ -75,12 +81,7 @@ class Refs:
 
 
 # ---------------------------------------------------------------------- setup
-@pytest.fixture(scope="module")
-def server(llama_path: str):
-    srv = start_server(llama_path, *SERVER_FLAGS, env=ONE_THREAD)
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
+server = server_fixture(*SERVER_FLAGS, env=ONE_THREAD, clean_exit=True)
 
 
 def random_text(rng: random.Random, lo: int, hi: int) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import weakref
@@ -23,6 +22,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from radixlm.runtime.entrypoints.launch import Subprocesses, launch_subprocesses
+from radixlm.runtime.entrypoints.server_info import server_info
 from radixlm.runtime.managers.io_struct import FlushCacheOut, GenerateReqInput
 from radixlm.runtime.managers.tokenizer_manager import TokenizerManager
 from radixlm.runtime.server_args import ServerArgs
@@ -38,6 +38,13 @@ async def _next_item(agen: AsyncIterator) -> Any:
         return await agen.__anext__()
     except StopAsyncIteration:
         return _DONE
+
+
+def _request(call_args: dict[str, Any]) -> GenerateReqInput:
+    """The request of one `generate` / `async_generate` call, from its arguments (`locals()`):
+    every parameter is a GenerateReqInput field of the same name, except `prompt` (`text`)."""
+    fields = {k: v for k, v in call_args.items() if k != "self"}
+    return GenerateReqInput(text=fields.pop("prompt"), **fields)
 
 
 async def _only_item(agen: Any) -> Any:
@@ -208,10 +215,7 @@ class Engine:
                  stream: bool = False, rid: str | list[str] | None = None) -> Any:
         """Single prompt -> dict; batch (a list), or n > 1 -> list of dicts. With `stream=True`
         returns an iterator of cumulative chunks (a batch's chunks carry "index")."""
-        agen = self.tokenizer_manager.generate(GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            stream=stream, return_text_in_logprobs=return_text_in_logprobs))
+        agen = self.tokenizer_manager.generate(_request(locals()))
         if stream:
             return self._core.iterate(agen)
         return self._core.call(_only_item(agen))
@@ -226,10 +230,7 @@ class Engine:
                              rid: str | list[str] | None = None) -> Any:
         """Like `generate`, awaited from any event loop; with `stream=True` it returns an async
         iterator (`async for chunk in await engine.async_generate(..., stream=True)`)."""
-        agen = self.tokenizer_manager.generate(GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            stream=stream, return_text_in_logprobs=return_text_in_logprobs))
+        agen = self.tokenizer_manager.generate(_request(locals()))
         if stream:
             return self._core.aiterate(agen)
         return await self._core.acall(_only_item(agen))
@@ -245,14 +246,8 @@ class Engine:
         return self._core.call(self.tokenizer_manager.flush_cache())
 
     def get_server_info(self) -> dict[str, Any]:
-        import radixlm
-
-        tm = self.tokenizer_manager
-        state = self._core.call(tm.get_internal_state())
-        stats = dataclasses.asdict(tm.latest_stats) if tm.latest_stats is not None else None
-        return {**dataclasses.asdict(self.server_args), **tm.scheduler_info, "internal_states": [state],
-                "latest_stats": stats, "num_running_requests": tm.num_running_requests(),
-                "version": radixlm.__version__}
+        """The same report as the server's /get_server_info (the API key redacted)."""
+        return self._core.call(server_info(self.server_args, self.tokenizer_manager))
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -54,10 +54,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code if code is not None else status}}
 
 
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response serialized with orjson (every route's JSON answers go through here)."""
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
                    headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(error_body(status, message, param, code)), status_code=status,
-                    media_type="application/json", headers=headers)
+    return json_response(error_body(status, message, param, code), status, headers)
 
 
 def api_error_response(err: APIError) -> Response:

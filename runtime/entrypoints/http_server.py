@@ -1,27 +1,23 @@
-"""The HTTP server: SGLang's native routes, the OpenAI routes, /metrics, and `launch_server`.
+"""The HTTP app: SGLang's native routes, the OpenAI routes, /metrics, /tokenize, /dashboard.
 
     create_app(tokenizer_manager, server_args, metrics, chat_template) -> FastAPI
-    launch_server(server_args)   # blocks: children, uvicorn (uvloop), readiness log, clean exit
 
-Every error answers with the OpenAI error body (errors.py). GuardMiddleware runs before any
-parsing: it refuses bodies over `--max-request-bytes` (413) and, with `--api-key`, requests
-without `Authorization: Bearer KEY` (401) on every route but /health and /metrics.
+server_lifecycle.run_server starts the children and serves this app with uvicorn.
+
+Every error answers with the OpenAI error body (errors.py). The middleware (middleware.py) checks
+the API key and the body size before any parsing, and logs every 4xx/5xx with its route.
+/tokenize and /detokenize live in tokenize_routes.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import hmac
 import logging
 import time
-import uuid
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.entrypoints.chat_template import JinjaChatTemplate, resolve_chat_template
@@ -30,9 +26,11 @@ from radixlm.runtime.entrypoints.errors import (
     APIError,
     error_body,
     install_error_handlers,
+    json_response,
     raise_if_rejected,
     to_api_error,
 )
+from radixlm.runtime.entrypoints.middleware import GuardMiddleware, RequestLogMiddleware
 from radixlm.runtime.entrypoints.openai_api import OpenAIServing
 from radixlm.runtime.entrypoints.openai_format import DONE, SSEResponse, sse
 from radixlm.runtime.entrypoints.openai_protocol import (
@@ -41,6 +39,8 @@ from radixlm.runtime.entrypoints.openai_protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from radixlm.runtime.entrypoints.server_info import health_generate, server_info
+from radixlm.runtime.entrypoints.tokenize_routes import add_tokenize_routes
 from radixlm.runtime.managers.generate_fields import UnsupportedFieldError, check_extra_fields
 from radixlm.runtime.managers.io_struct import GenerateReqInput
 from radixlm.runtime.metrics import MetricsCollector
@@ -48,92 +48,6 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")
-HEALTH_TIMEOUT_S = 20.0
-STATE_TIMEOUT_S = 10.0
-
-
-# ---------------------------------------------------------------------- guard middleware
-class GuardMiddleware:
-    """Pure ASGI: the API key check and the body-size limit, before FastAPI reads anything."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_request_bytes = max_request_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
-            await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
-            return
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            too_big = f"The request body is larger than --max-request-bytes ({self.max_request_bytes} bytes)"
-            declared = headers.get(b"content-length", b"0")
-            if declared.isdigit() and int(declared) > self.max_request_bytes:
-                await _send_error(send, 413, too_big, code="request_too_large")
-                return
-            body = await self._read_body(receive)
-            if body is None:
-                await _send_error(send, 413, too_big, code="request_too_large")
-                return
-            receive = _replay(body, receive)
-            scope = _as_json(scope, headers)
-        await self.app(scope, receive, send)
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        value = headers.get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None once it passes the limit (the rest is not read)."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return b"".join(chunks)
-
-
-def _as_json(scope: Scope, headers: dict[bytes, bytes]) -> Scope:
-    """Every POST route takes JSON: treat a body sent without a JSON content type (`curl -d`) as JSON."""
-    if b"json" in headers.get(b"content-type", b"").lower():
-        return scope
-    raw = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-    return {**scope, "headers": raw + [(b"content-type", b"application/json")]}
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()   # later calls: http.disconnect when the client goes away
-
-    return replay
-
-
-async def _send_error(send: Send, status: int, message: str, code: str,
-                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = orjson.dumps(error_body(status, message, code=code))
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
-    await send({"type": "http.response.body", "body": body})
 
 
 # ---------------------------------------------------------------------- app
@@ -150,8 +64,10 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     _add_native_routes(app, app.state.server)
     _add_openai_routes(app, app.state.server.openai)
     add_dashboard_routes(app, tokenizer_manager)
+    add_tokenize_routes(app, tokenizer_manager)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        max_request_bytes=server_args.max_request_bytes)
+    app.add_middleware(RequestLogMiddleware, log_requests=server_args.log_requests)   # outermost
     return app
 
 
@@ -164,64 +80,8 @@ class ServerState:
     started_at: float = dataclasses.field(default_factory=time.time)
     failure: str | None = None      # set when a child died: /health turns 503
 
-    def capacity(self) -> dict[str, Any]:
-        return capacity_report(self.tm.scheduler_info, self.tm.context_len)
-
     async def server_info(self) -> dict[str, Any]:
-        args = dataclasses.asdict(self.server_args)
-        args["api_key"] = None if self.server_args.api_key is None else "<redacted>"
-        stats = self.tm.latest_stats
-        try:
-            state = await asyncio.wait_for(self.tm.get_internal_state(), STATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError) as e:
-            state = {"error": f"scheduler state unavailable: {e!r}"}
-        return {**args, **self.tm.scheduler_info, **self.capacity(), "version": radixlm.__version__,
-                "scheduler_stats": dataclasses.asdict(stats) if stats is not None else None,
-                "internal_states": [state], "num_running_requests": self.tm.num_running_requests(),
-                "uptime_s": time.time() - self.started_at}
-
-
-def capacity_report(info: dict[str, Any], context_len: int) -> dict[str, Any]:
-    """The figures printed at startup and returned by /get_server_info."""
-    max_total = int(info.get("max_total_tokens") or 0)
-    per_token = int(info.get("kv_bytes_per_token") or 0)
-    return {"kv_bytes_per_token": per_token, "max_total_tokens": max_total, "context_len": context_len,
-            "kv_pool_bytes": per_token * max_total,
-            "max_concurrent_requests_at_context": max_total // context_len if context_len else 0,
-            "max_running_requests": info.get("max_running_requests")}
-
-
-def format_capacity(cap: dict[str, Any]) -> list[str]:
-    """The startup capacity report: one line."""
-    return [f"KV cache: {cap['max_total_tokens']} tokens ({cap['kv_pool_bytes'] / 2**20:.1f} MiB, "
-            f"{cap['kv_bytes_per_token']} bytes per token); context length {cap['context_len']}: at most "
-            f"{cap['max_concurrent_requests_at_context']} concurrent requests at full context "
-            f"(max running requests: {cap['max_running_requests']})"]
-
-
-async def health_generate(tm: Any, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
-    """Runs a 1-token generation; returns None when it worked, else what went wrong."""
-    obj = GenerateReqInput(input_ids=[0], rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-                           sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-
-    async def one() -> None:
-        stream = tm.generate(obj)
-        try:
-            await stream.__anext__()
-        finally:
-            await stream.aclose()
-
-    try:
-        await asyncio.wait_for(one(), timeout)
-    except asyncio.TimeoutError:
-        return f"no generation within {timeout:.0f} s"
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+        return await server_info(self.server_args, self.tm, self.started_at)
 
 
 def _add_native_routes(app: FastAPI, st: ServerState) -> None:
@@ -241,14 +101,14 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/get_model_info")
     async def model_info() -> Response:
         info = st.tm.scheduler_info
-        return _json({"model_path": st.server_args.model_path, "tokenizer_path": st.server_args.tokenizer_path,
+        return json_response({"model_path": st.server_args.model_path, "tokenizer_path": st.server_args.tokenizer_path,
                       "is_generation": bool(info.get("is_generation", True)),
                       "served_model_name": st.server_args.model_name, "max_model_len": st.tm.context_len})
 
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> Response:
-        return _json(await st.server_info())
+        return json_response(await st.server_info())
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -258,14 +118,14 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
         out = await st.tm.flush_cache()
         if not out.success:
             raise APIError(400, out.message or "Cache flush refused")
-        return _json({"success": True, "message": out.message or "Cache flushed."})
+        return json_response({"success": True, "message": out.message or "Cache flushed."})
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:
         if not body.rid and not body.abort_all:
             raise APIError(400, "abort_request needs 'rid' (or 'abort_all': true)", param="rid")
         st.tm.abort_request("" if body.abort_all else body.rid)
-        return _json({"success": True})
+        return json_response({"success": True})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -295,7 +155,7 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
         raise to_api_error(e) from None
     if not body.stream:
         await stream.aclose()
-        return _json(first)
+        return json_response(first)
 
     async def events() -> Any:
         try:
@@ -315,11 +175,11 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
 def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return _json(serving.list_models())
+        return json_response(serving.list_models())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
-        return _json(serving.retrieve_model(model_id))
+        return json_response(serving.retrieve_model(model_id))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -328,11 +188,3 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
-
-
-# ---------------------------------------------------------------------- launch
-def launch_server(server_args: ServerArgs) -> None:
-    """Starts the children and serves HTTP until SIGINT/SIGTERM or a child dies; then exits."""
-    from radixlm.runtime.entrypoints.server_lifecycle import run_server
-
-    run_server(server_args)

@@ -7,27 +7,32 @@
            message or a child that exits first raises RuntimeError with the child's error text
         -> Subprocesses: scheduler_info, port_args, processes, start_watchdog(), shutdown()
 
-Children use the multiprocessing *spawn* context (no forked torch/CUDA/ZMQ state). They die with
-the parent: each child asks Linux for SIGKILL on parent death (PR_SET_PDEATHSIG, see
+Each child is its own `python -m radixlm.runtime.entrypoints.child` process (subprocess.Popen with
+this interpreter, environment from `child_env`), so it never imports the caller's `__main__`:
+scripts without an `if __name__ == "__main__"` guard, pytest and Jupyter all work. The handshake
+travels over a socketpair per child; its EOF also tells the watchdog that the child died.
+Children die with the parent: each asks Linux for SIGKILL on parent death (PR_SET_PDEATHSIG, see
 runtime/utils.py), and since that signal follows the *thread* that started the child, children
-are always started from a thread that lives as long as the process. They are also daemonic, so
-multiprocessing terminates them at a normal interpreter exit.
+are always started from a thread that lives as long as the process. An atexit hook shuts down
+whatever is still running at a normal interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-import multiprocessing as mp
 import os
 import queue
-import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from radixlm.runtime.managers.io_struct import ChildFailed, DetokenizerReady, SchedulerReady
@@ -36,33 +41,35 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+CHILD_MODULE = "radixlm.runtime.entrypoints.child"
 SCHEDULER_TARGET = ("radixlm.runtime.managers.scheduler_process", "run_scheduler_process")
 DETOKENIZER_TARGET = ("radixlm.runtime.managers.detokenizer_manager", "run_detokenizer_process")
 
 
-def _child_entry(module: str, func: str, args: tuple) -> None:
-    """Runs in the child: Ctrl-C goes to the parent, which shuts the children down in order."""
-    import importlib
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:   # tqdm's default lock is a multiprocessing semaphore, leaked when a child is terminated
-        import tqdm
-
-        tqdm.tqdm.set_lock(threading.RLock())
-    except ImportError:
-        pass
-    getattr(importlib.import_module(module), func)(*args)
+def child_env(server_args: ServerArgs) -> dict[str, str]:
+    """The environment of every child process: this process's, plus
+    - PYTHONPATH = this interpreter's sys.path, so the child imports the same radixlm;
+    - OMP_WAIT_POLICY=PASSIVE (unless set): OpenMP threads that spin while waiting starve each
+      other and the tokenizer/detokenizer on a busy CPU (measured 80x slower decode on 2 loaded
+      cores)."""
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 @dataclass
 class Child:
     name: str
-    process: BaseProcess
-    ready_reader: Connection
+    process: subprocess.Popen
+    conn: Connection            # the parent's end of the handshake socketpair
     ready_msg: Any = None
 
 
-@dataclass
+@dataclass(eq=False)     # hashable by identity (kept in a WeakSet)
 class Subprocesses:
     """Handle on the running children. `shutdown()` is idempotent and safe from any thread."""
 
@@ -75,19 +82,16 @@ class Subprocesses:
     _closed: bool = False
 
     @property
-    def processes(self) -> dict[str, BaseProcess]:
+    def processes(self) -> dict[str, subprocess.Popen]:
         return {c.name: c.process for c in self.children}
 
     def pid_of(self, name: str) -> int | None:
         return self.processes[name].pid
 
-    def all_alive(self) -> bool:
-        return all(c.process.is_alive() for c in self.children)
-
     def start_watchdog(self, on_child_death: Callable[[str, int | None], None]) -> threading.Thread:
         """Calls `on_child_death(name, exitcode)` (once, from the watchdog thread) when a child
-        exits before `shutdown()`. It wakes on any child's exit at once, and re-checks liveness
-        every `watchdog_interval` seconds."""
+        exits before `shutdown()`. It wakes on any child's exit at once (its handshake socket hits
+        EOF), and re-checks liveness every `watchdog_interval` seconds."""
         thread = threading.Thread(target=self._watch, args=(on_child_death,), name="radixlm-watchdog",
                                   daemon=True)
         thread.start()
@@ -95,44 +99,64 @@ class Subprocesses:
 
     def _watch(self, on_child_death: Callable[[str, int | None], None]) -> None:
         interval = max(self.server_args.watchdog_interval, 0.05)
-        sentinels = [c.process.sentinel for c in self.children]
+        watched = {c.conn: c for c in self.children}
+        hung_up: list[Child] = []
         while not self._stop.is_set():
-            wait(sentinels, timeout=interval)
+            for conn in wait(list(watched), timeout=interval):   # readable after the handshake = EOF
+                hung_up.append(watched.pop(conn))
             if self._stop.is_set():
                 return
-            dead = next((c for c in self.children if not c.process.is_alive()), None)
+            dead = self._first_dead(hung_up)
             if dead is not None:
                 self._stop.set()
-                logger.error("%s died (exit code %s)", dead.name, dead.process.exitcode)
+                logger.error("%s died (exit code %s)", dead.name, dead.process.returncode)
                 try:
-                    on_child_death(dead.name, dead.process.exitcode)
+                    on_child_death(dead.name, dead.process.returncode)
                 except Exception:  # noqa: BLE001
                     logger.exception("on_child_death callback failed")
                 return
 
+    def _first_dead(self, hung_up: list[Child]) -> Child | None:
+        """A child that exited; one whose socket hit EOF gets a moment for its exit status."""
+        for c in hung_up:
+            try:
+                c.process.wait(timeout=1.0)
+                return c
+            except subprocess.TimeoutExpired:
+                pass
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Terminates every child (SIGTERM, then SIGKILL after `timeout`), joins them and removes
-        the IPC directory."""
+        """Terminates every child (SIGTERM, then SIGKILL after `timeout`), waits for them and
+        removes the IPC directory."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._stop.set()
-        procs = [c.process for c in self.children]
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0))
-        for p in procs:
-            if p.is_alive():
-                logger.warning("%s did not exit after SIGTERM; killing it", p.name)
-                p.kill()
-                p.join(1.0)
         for c in self.children:
-            c.ready_reader.close()
+            if c.process.poll() is None:
+                c.process.terminate()
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            try:
+                c.process.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not exit after SIGTERM; killing it", c.name)
+                c.process.kill()
+                c.process.wait(1.0)
+        for c in self.children:
+            c.conn.close()
         self.port_args.cleanup()
+
+
+_running: weakref.WeakSet[Subprocesses] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all_at_exit() -> None:
+    for subs in list(_running):
+        subs.shutdown()
 
 
 def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, int | None], None] | None = None,
@@ -142,20 +166,18 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
     if a child fails or dies during startup. A bad model path, architecture, context length or
     TP size is refused first, in this process, with ModelLoadError (a ValueError)."""
     preflight(server_args)
-    # OpenMP threads that spin while waiting starve each other (and the tokenizer/detokenizer
-    # processes) on a busy CPU: measured 80x slower decode on 2 loaded cores. Sleep instead.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     port_args = port_args or PortArgs.new()
-    ctx = mp.get_context("spawn")
+    env = child_env(server_args)
     subs = Subprocesses(server_args, port_args, [])
+    _running.add(subs)
     try:
         for dp_rank in range(server_args.dp_size):
             replica_args = _replica_args(server_args, dp_rank)
             for tp_rank in _local_tp_ranks(server_args):
                 name = f"scheduler dp{dp_rank} tp{tp_rank}"
-                subs.children.append(_start_child(ctx, name, SCHEDULER_TARGET,
+                subs.children.append(_start_child(name, SCHEDULER_TARGET, env,
                                                   (replica_args, port_args, tp_rank, dp_rank)))
-        subs.children.append(_start_child(ctx, "detokenizer", DETOKENIZER_TARGET, (server_args, port_args)))
+        subs.children.append(_start_child("detokenizer", DETOKENIZER_TARGET, env, (server_args, port_args)))
         _wait_ready(subs.children, startup_timeout)
     except BaseException:
         subs.shutdown()
@@ -193,26 +215,40 @@ def _local_tp_ranks(args: ServerArgs) -> range:
     return range(start, min(start + per_node, args.tp_size))
 
 
-def _start_child(ctx: Any, name: str, target: tuple[str, str], args: tuple) -> Child:
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_entry, args=(*target, (*args, writer)), name=name, daemon=True)
-    _start_from_long_lived_thread(proc)
-    writer.close()          # the child holds the only writer: its death makes `reader` hit EOF
-    return Child(name, proc, reader)
+def _start_child(name: str, target: tuple[str, str], env: dict[str, str], args: tuple) -> Child:
+    """Starts `python -m CHILD_MODULE` and sends it its job; the child's reply is the handshake."""
+    parent_sock, child_sock = socket.socketpair()
+    fd = child_sock.fileno()
+    python = [sys.executable, "-P"] if sys.version_info >= (3, 11) else [sys.executable]  # -P: no cwd on sys.path
+    cmd = [*python, "-m", CHILD_MODULE, str(fd), str(os.getpid())]
+    try:
+        proc = _start_from_long_lived_thread(lambda: subprocess.Popen(
+            cmd, env=env, pass_fds=(fd,), stdin=subprocess.DEVNULL))
+    finally:
+        child_sock.close()      # the child holds the only other end: its death makes ours hit EOF
+    conn = Connection(parent_sock.detach())
+    try:
+        conn.send((*target, args))
+    except OSError:             # it died at once; _wait_ready reports the exit code
+        pass
+    return Child(name, proc, conn)
 
 
 def _wait_ready(children: list[Child], timeout: float | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
-    pending = {c.ready_reader: c for c in children}
+    pending = {c.conn: c for c in children}
     while pending:
-        for reader in wait(list(pending), timeout=0.5):
-            child = pending.pop(reader)
+        for conn in wait(list(pending), timeout=0.5):
+            child = pending.pop(conn)
             try:
-                child.ready_msg = reader.recv()
-            except EOFError:
-                child.process.join(1.0)
+                child.ready_msg = conn.recv()
+            except (EOFError, OSError):
+                try:
+                    child.process.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    pass
                 raise RuntimeError(f"{child.name} exited during startup (exit code "
-                                   f"{child.process.exitcode}); see its log above") from None
+                                   f"{child.process.returncode}); see its log above") from None
             if isinstance(child.ready_msg, ChildFailed):
                 raise RuntimeError(f"{child.name} failed to start: {child.ready_msg.error}")
             if not isinstance(child.ready_msg, (SchedulerReady, DetokenizerReady)):
@@ -250,12 +286,11 @@ _launcher: _Launcher | None = None
 _launcher_lock = threading.Lock()
 
 
-def _start_from_long_lived_thread(proc: BaseProcess) -> None:
+def _start_from_long_lived_thread(start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
     global _launcher
     if threading.current_thread() is threading.main_thread():
-        proc.start()
-        return
+        return start()
     with _launcher_lock:
         if _launcher is None:
             _launcher = _Launcher()
-    _launcher.call(proc.start)
+    return _launcher.call(start)

@@ -19,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import Request
 from starlette.responses import Response
 
@@ -30,11 +29,12 @@ from radixlm.runtime.entrypoints.chat_template import (
     encode_chat_prompt,
     normalize_messages,
 )
-from radixlm.runtime.entrypoints.errors import APIError, raise_if_rejected, to_api_error
+from radixlm.runtime.entrypoints.errors import APIError, json_response, raise_if_rejected, to_api_error
 from radixlm.runtime.entrypoints.openai_format import (
     SSEResponse,
     chat_choice,
     chat_stream,
+    choice_index,
     completion_choice,
     completion_stream,
     is_complete,
@@ -108,9 +108,9 @@ class OpenAIServing:
             return SSEResponse(completion_stream(stream, meta, echo, return_logprob, include_usage))
         items = await self._run(obj, raw)
         echo = self._echo_texts(prompts, bool(req.echo))
-        choices = [completion_choice(it, _index(it, k), echo[_index(it, k) // n], return_logprob)
+        choices = [completion_choice(it, choice_index(it, k), echo[choice_index(it, k) // n], return_logprob)
                    for k, it in enumerate(items)]
-        return _json({"id": meta.id, "object": "text_completion", "created": meta.created,
+        return json_response({"id": meta.id, "object": "text_completion", "created": meta.created,
                       "model": self.model_name, "choices": choices, "usage": usage_of(items, n)})
 
     def _echo_texts(self, prompts: list[str | list[int]], echo: bool) -> list[str]:
@@ -166,14 +166,14 @@ class OpenAIServing:
         items = await self._run(obj, raw)
         for it in items:
             remember(it)
-        choices = [chat_choice(it, _index(it, k), bool(req.logprobs), parser) for k, it in enumerate(items)]
+        choices = [chat_choice(it, choice_index(it, k), bool(req.logprobs), parser) for k, it in enumerate(items)]
         body = {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": self.model_name,
                 "choices": choices, "usage": usage_of(items, n), "system_fingerprint": None}
         if req.return_token_ids:   # vLLM's field: the exact ids the model saw and wrote
             body["prompt_token_ids"] = input_ids
             for choice, it in zip(choices, items):
                 choice["token_ids"] = list(it.get("output_ids") or [])
-        return _json(body)
+        return json_response(body)
 
     def _chat_input(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ChatRequestInput:
         """The template's inputs; ValueError (400) for messages or fields it cannot take."""
@@ -303,12 +303,3 @@ def _generate_input(prompts: list[str | list[int]], is_batch: bool, params: dict
         text=value if texts else None, input_ids=None if texts else value, sampling_params=params,
         rid=req.rid, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
         top_logprobs_num=top, return_text_in_logprobs=True, stream=bool(req.stream), priority=req.priority)
-
-
-def _index(item: dict[str, Any], position: int) -> int:
-    index = item.get("index")
-    return index if isinstance(index, int) else position
-
-
-def _json(body: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")

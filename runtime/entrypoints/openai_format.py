@@ -65,14 +65,15 @@ def usage_of(items: list[dict[str, Any]], n: int) -> dict[str, Any]:
     for pos, it in enumerate(items):
         meta = it.get("meta_info") or {}
         completion += int(meta.get("completion_tokens") or 0)
-        if _index(it, pos) % n == 0:
+        if choice_index(it, pos) % n == 0:
             prompt += int(meta.get("prompt_tokens") or 0)
             cached += int(meta.get("cached_tokens") or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _index(item: dict[str, Any], position: int) -> int:
+def choice_index(item: dict[str, Any], position: int) -> int:
+    """The choice index of a result: its "index" field (n > 1, batches), else its position."""
     index = item.get("index")
     return index if isinstance(index, int) else position
 
@@ -273,7 +274,7 @@ async def _stream(stream: AsyncIterator[Any], meta: Any, kind: str, deltas: Any,
     try:
         async for out in stream:
             for pos, item in enumerate(out if isinstance(out, list) else [out]):
-                index = _index(item, pos)
+                index = choice_index(item, pos)
                 for choice in deltas(states.setdefault(index, _Choice()), index, item):
                     yield chunk([choice])
         for index, st in sorted(states.items()):

@@ -1,6 +1,6 @@
 """The server process's life: start the children, serve HTTP on uvloop, announce readiness, exit.
 
-    run_server(server_args)      # what launch_server / `radixlm-server` run; never returns
+    run_server(server_args)      # what `radixlm-server` / radixlm.launch_server run; never returns
 
 Order: check flags and the port -> launch_subprocesses (model load, readiness handshake) -> print
 the capacity report -> TokenizerManager + app inside the event loop -> uvicorn -> a 1-token
@@ -27,18 +27,12 @@ from typing import Any
 
 from radixlm.runtime.entrypoints.chat_template import CHAT_TEMPLATES
 from radixlm.runtime.entrypoints.http_limits import HttpLimits, limited_h11_protocol
-from radixlm.runtime.entrypoints.http_server import (
-    ServerState,
-    capacity_report,
-    create_app,
-    format_capacity,
-    health_generate,
-)
+from radixlm.runtime.entrypoints.http_server import ServerState, create_app
+from radixlm.runtime.entrypoints.server_info import capacity_report, format_capacity, health_generate
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.utils import READY_LINE, configure_logging
 
 logger = logging.getLogger("radixlm.server")
-
-READY_LINE = "The server is fired up and ready to roll!"
 CHILD_DEATH_EXIT_S = 3.5
 SIGNAL_RACE_S = 0.3
 GRACEFUL_SHUTDOWN_S = 3
@@ -46,7 +40,8 @@ WARMUP_TIMEOUT_S = 600.0
 
 
 def run_server(server_args: ServerArgs) -> None:
-    configure_logging(server_args.log_level)
+    configure_logging(server_args.log_level, "server")
+    _disable_created_metrics()
     args = server_args.resolved()
     args.validate()
     check_chat_template_flag(args.chat_template)
@@ -61,6 +56,8 @@ def run_server(server_args: ServerArgs) -> None:
         logger.info("Interrupted before the server was up")
     finally:
         life.stop_children()
+    logging.shutdown()
+    gc.freeze()     # the exit-time collection of torch/transformers' object graph took seconds
     sys.exit(life.exit_code)
 
 
@@ -115,9 +112,10 @@ class ServerLifecycle:
         self.tm = TokenizerManager(self.args, self.subprocesses.port_args, info, metrics=metrics)
         app = create_app(self.tm, self.args, metrics)
         self.state = app.state.server
-        config = uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level=self.args.log_level,
+        config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
+                                log_level=self.args.log_level_http or self.args.log_level,
                                 http=limited_h11_protocol(HttpLimits.from_args(self.args)),
-                                access_log=self.args.log_requests, lifespan="off", timeout_keep_alive=5,
+                                access_log=self.args.enable_access_log, lifespan="off", timeout_keep_alive=5,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096)
         self.server = _make_uvicorn_server(config, self)
         if self.child_failure:   # died between the handshake and now
@@ -213,10 +211,7 @@ def _make_uvicorn_server(config: Any, life: ServerLifecycle) -> Any:
 
 
 # ---------------------------------------------------------------------- checks and logging
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", stream=sys.stderr,
-                        force=True)
+def _disable_created_metrics() -> None:
     try:
         from prometheus_client import disable_created_metrics
 

@@ -4,7 +4,7 @@ PortArgs names the three one-way channels of ARCHITECTURE.md section 1:
 
     tokenizer --scheduler_input--> scheduler --detokenizer_input--> detokenizer --tokenizer_input--> tokenizer
 
-With `--dp-size N` every replica gets its own scheduler input (`for_dp_rank`); all replicas push
+With `--dp-size N` every replica gets its own scheduler input (`scheduler_input_for`); all replicas push
 into the one detokenizer. The receiving end binds, the sending end connects, so processes may start
 in any order: a PUSH socket queues messages until its peer binds. High-water marks are off
 (unbounded queues), so a send never blocks and never drops a message.
@@ -12,7 +12,6 @@ in any order: a PUSH socket queues messages until its peer binds. High-water mar
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import shutil
 import tempfile
@@ -40,10 +39,6 @@ class PortArgs:
         """The scheduler input endpoint of one data-parallel replica (rank 0 keeps the plain name)."""
         base = f"ipc://{self.ipc_dir}/scheduler"
         return base if dp_rank == 0 else f"{base}-dp{dp_rank}"
-
-    def for_dp_rank(self, dp_rank: int) -> PortArgs:
-        """The PortArgs one replica's scheduler sees: its own `scheduler_input`, shared outputs."""
-        return dataclasses.replace(self, scheduler_input=self.scheduler_input_for(dp_rank))
 
     def cleanup(self) -> None:
         """Removes the socket files and the private directory (idempotent)."""

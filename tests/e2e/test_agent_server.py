@@ -15,25 +15,15 @@ import openai
 import pytest
 
 from tests.agent_fixtures import SCHEMAS, TEMPLATES, TIME, TOOLS, WEATHER, agent_trace
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "16384",
          "--chat-template", str(TEMPLATES["hermes"]), "--tool-call-parser", "hermes")
 USER = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tools_server(qwen2_path: str):
-    srv = start_server(qwen2_path, *FLAGS, timeout=600)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def thinking_server(qwen2_path: str):
-    srv = start_server(qwen2_path, *FLAGS, "--reasoning-parser", "qwen3", timeout=600)
-    yield srv
-    srv.stop()
+tools_server = server_fixture(*FLAGS, model="qwen2_path", timeout=600)
+thinking_server = server_fixture(*FLAGS, "--reasoning-parser", "qwen3", model="qwen2_path", timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.real_model import CHAT_PROMPTS, chat_ids, hf_greedy_chat, hf_reference, smollm2_gguf
-from tests.server_fixtures import ServerProcess, start_server
+from tests.server_fixtures import ServerProcess, server_fixture
 
 MAX_NEW = 24
 PAGE = 16
@@ -25,12 +25,8 @@ FRENCH = "Write the French sentence 'The coffee is at the café' in French."    
 JAPANESE = "How do you say 'thank you' in Japanese? Write it in Japanese characters."  # answers in kana
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server(smollm2_gguf(), "--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size",
-                       "32", "--context-length", "2048", "--max-total-tokens", "8192", timeout=900)
-    yield srv
-    srv.stop()
+server = server_fixture("--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size", "32",
+                        "--context-length", "2048", "--max-total-tokens", "8192", model=smollm2_gguf, timeout=900)
 
 
 @pytest.fixture(scope="module")

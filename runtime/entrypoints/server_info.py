@@ -1,0 +1,86 @@
+"""What `/get_server_info` and `Engine.get_server_info()` report, and the startup capacity lines.
+
+    server_info(server_args, tm)   -> args (api_key redacted) + scheduler info + capacity + state
+    capacity_report(info, ctx)     -> KV bytes per token, pool size, concurrent requests at context
+    health_generate(tm)            -> None when a 1-token generation works, else what went wrong
+
+Nothing here holds state; every function reads the running TokenizerManager `tm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+import radixlm
+from radixlm.runtime.managers.io_struct import GenerateReqInput
+from radixlm.runtime.server_args import ServerArgs
+
+STATE_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 20.0
+
+
+def redacted_args(server_args: ServerArgs) -> dict[str, Any]:
+    """The server args as a dict, with the API key replaced by "<redacted>" when set."""
+    args = dataclasses.asdict(server_args)
+    args["api_key"] = None if server_args.api_key is None else "<redacted>"
+    return args
+
+
+async def server_info(server_args: ServerArgs, tm: Any, started_at: float | None = None) -> dict[str, Any]:
+    """Asks the scheduler(s) for their internal state (at most STATE_TIMEOUT_S; an error entry
+    instead when they do not answer) and merges it with the args, capacity and latest stats."""
+    stats = tm.latest_stats
+    try:
+        state = await asyncio.wait_for(tm.get_internal_state(), STATE_TIMEOUT_S)
+    except (asyncio.TimeoutError, RuntimeError) as e:
+        state = {"error": f"scheduler state unavailable: {e!r}"}
+    info = {**redacted_args(server_args), **tm.scheduler_info, **capacity_report(tm.scheduler_info, tm.context_len),
+            "version": radixlm.__version__,
+            "scheduler_stats": dataclasses.asdict(stats) if stats is not None else None,
+            "internal_states": [state], "num_running_requests": tm.num_running_requests()}
+    if started_at is not None:
+        info["uptime_s"] = time.time() - started_at
+    return info
+
+
+def capacity_report(info: dict[str, Any], context_len: int) -> dict[str, Any]:
+    """The figures printed at startup and returned by /get_server_info."""
+    max_total = int(info.get("max_total_tokens") or 0)
+    per_token = int(info.get("kv_bytes_per_token") or 0)
+    return {"kv_bytes_per_token": per_token, "max_total_tokens": max_total, "context_len": context_len,
+            "kv_pool_bytes": per_token * max_total,
+            "max_concurrent_requests_at_context": max_total // context_len if context_len else 0,
+            "max_running_requests": info.get("max_running_requests")}
+
+
+def format_capacity(cap: dict[str, Any]) -> list[str]:
+    """The startup capacity report: one line."""
+    return [f"KV cache: {cap['max_total_tokens']} tokens ({cap['kv_pool_bytes'] / 2**20:.1f} MiB, "
+            f"{cap['kv_bytes_per_token']} bytes per token); context length {cap['context_len']}: at most "
+            f"{cap['max_concurrent_requests_at_context']} concurrent requests at full context "
+            f"(max running requests: {cap['max_running_requests']})"]
+
+
+async def health_generate(tm: Any, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
+    """Runs a 1-token generation; returns None when it worked, else what went wrong."""
+    obj = GenerateReqInput(input_ids=[0], rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                           sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
+    async def one() -> None:
+        stream = tm.generate(obj)
+        try:
+            await stream.__anext__()
+        finally:
+            await stream.aclose()
+
+    try:
+        await asyncio.wait_for(one(), timeout)
+    except asyncio.TimeoutError:
+        return f"no generation within {timeout:.0f} s"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
