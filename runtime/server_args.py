@@ -187,6 +187,8 @@ class ServerArgs:
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()
+        if self.grammar_backend == "llguidance":
+            raise ValueError("--grammar-backend llguidance is not supported; use outlines (default) or xgrammar")
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
 

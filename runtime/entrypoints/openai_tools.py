@@ -26,8 +26,6 @@ from radixlm.runtime.constrained import DEFAULT_JSON_WHITESPACE_PATTERN, Grammar
 from radixlm.runtime.entrypoints.errors import APIError
 from radixlm.runtime.parsers import ChatOutputParser, ReasoningParser, ToolCallParser
 
-_WS = "\u2423"   # placeholder whitespace while building argument regexes
-
 
 @dataclass
 class ToolSetup:
@@ -116,17 +114,9 @@ def setup_tools(req: Any, parser: ToolCallParser | None, reasoning: ReasoningPar
 
 
 def arguments_regex(tool: dict[str, Any]) -> str:
-    """The regex of a tool's arguments object, spaced as json.dumps writes it."""
+    """The regex of a tool's arguments object, laid out as json.dumps writes it."""
     schema = tool["function"].get("parameters") or {"type": "object", "properties": {}}
-    spec = json.dumps(schema)
-    if _WS in spec:
-        raise APIError(400, f"tools: the schema of {tool['function']['name']!r} holds an unsupported character",
-                       param="tools")
-    regex = schema_to_regex(spec, _WS)
-    regex = regex.replace(f"({_WS})", _WS)
-    for old, new in ((f"{_WS}:", ":"), (f"{_WS},", ","), (f":{_WS}", ": "), (f",{_WS}", ", "), (_WS, "")):
-        regex = regex.replace(old, new)
-    return regex
+    return schema_to_regex(json.dumps(schema), None)   # None: the json.dumps layout
 
 
 def with_reasoning(regex: str, reasoning: ReasoningParser | None) -> str:

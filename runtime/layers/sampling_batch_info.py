@@ -53,7 +53,7 @@ class SamplingBatchInfo:
     # min_new_tokens ban as (row, token id) pairs: logits[ban_rows[j], ban_ids[j]] = -inf.
     ban_rows: torch.Tensor | None = None              # [num_bans] int64
     ban_ids: torch.Tensor | None = None               # [num_bans] int64
-    vocab_mask: torch.Tensor | None = None            # [bs, V] bool, True = allowed
+    vocab_mask: torch.Tensor | None = None            # [bs, V] bool (True = allowed) or int32 bitmask
     # (row, seed for this step) of every seeded request; other rows use the global RNG.
     row_seeds: tuple[tuple[int, int], ...] = ()
 
@@ -72,8 +72,9 @@ class SamplingBatchInfo:
         """Batches the parameters of `params[i]` for the request with tokens `input_ids[i]` (prompt)
         and `output_ids[i]` (generated so far). Reads the lists, modifies nothing.
 
-        `vocab_mask`, if given, is a bool [bs, vocab_size] tensor (True = allowed); each row must
-        allow at least one token.
+        `vocab_mask`, if given, is a bool [bs, vocab_size] tensor (True = allowed) or the int32 bitmask
+        [bs, ceil(vocab_size / 32)] of kernels/vocab_mask (applied without unpacking to bool); each row
+        must allow at least one token.
         """
         bs = len(params)
         if len(input_ids) != bs or len(output_ids) != bs:
@@ -105,10 +106,12 @@ class SamplingBatchInfo:
         info._add_logit_bias(params, device)
         info._add_min_tokens_ban(params, output_ids, eos_token_ids, device)
         if vocab_mask is not None:
-            if tuple(vocab_mask.shape) != (bs, vocab_size):
-                raise ValueError(f"vocab_mask must have shape {(bs, vocab_size)}, "
+            width = (vocab_size + 31) // 32 if vocab_mask.dtype == torch.int32 else vocab_size
+            if tuple(vocab_mask.shape) != (bs, width):
+                raise ValueError(f"vocab_mask must have shape {(bs, width)}, "
                                  f"got {tuple(vocab_mask.shape)}")
-            info.vocab_mask = vocab_mask.to(device=device, dtype=torch.bool)
+            dtype = torch.int32 if vocab_mask.dtype == torch.int32 else torch.bool
+            info.vocab_mask = vocab_mask.to(device=device, dtype=dtype)
         return info
 
     # ------------------------------------------------------------------ builders

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from radixlm.kernels.vocab_mask import allocate_vocab_mask, vocab_mask_to_bool
+from radixlm.kernels.vocab_mask import allocate_vocab_mask
 from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from radixlm.runtime.layers.sampler import Sampler
 from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
@@ -89,7 +89,7 @@ class OutputProcessor:
             for i, r in enumerate(reqs):
                 if r.grammar is not None:
                     r.grammar.fill_vocab_mask(words[i])
-            mask = vocab_mask_to_bool(words, self.vocab_size).to(self.device)
+            mask = words.to(self.device)                                # applied as bits by the sampler
         info = SamplingBatchInfo.build(params, [r.origin_input_ids for r in reqs],
                                        [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
                                        self.device, vocab_mask=mask)

@@ -169,3 +169,16 @@ def test_hostile_regexes_get_400_while_json_answers(server: ServerProcess) -> No
     for pid in children:
         assert _rss_mb(pid) - before[pid] < 200, (pid, before[pid], _rss_mb(pid))
     wait_kv_free(server)
+
+
+def test_dsl_gen_stop_regex(server: ServerProcess) -> None:
+    import radixlm as rl
+
+    @rl.function
+    def prog(s):
+        s += "Code: " + rl.gen("code", max_tokens=24, regex=r"[a-z]{3} [0-9]{4} [a-z]+", stop_regex=r"[0-9]{4}",
+                               temperature=0)
+
+    state = prog.run(backend=rl.RuntimeEndpoint(server.base_url))
+    assert re.fullmatch(r"[a-z]{3} ", state["code"]), state["code"]
+    assert state.get_meta_info("code")["finish_reason"]["matched"] == r"[0-9]{4}"

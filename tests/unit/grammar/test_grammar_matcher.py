@@ -55,3 +55,30 @@ def test_mixed_batch_masking(backend: GrammarBackend, vocab_size: int) -> None:
     assert first is not None and first.isdigit()
     assert int(logits[2].argmax()) in words.allowed_token_ids()
     assert torch.isinf(logits[0]).sum() == vocab_size - len(digits.allowed_token_ids())
+
+
+def test_xgrammar_matcher_masks_and_jump_forward(grammar_tokenizer: Any, vocab_size: int) -> None:
+    """EBNF on xgrammar (compiled in-process): forced text is jumped, masks allow only grammar tokens,
+    eos only at the end."""
+    import re
+
+    from radixlm.runtime.constrained import XGrammarMatcher
+
+    eos = grammar_tokenizer.eos_token_id
+    be = GrammarBackend(grammar_tokenizer, vocab_size, [eos], num_workers=0)
+    try:
+        grammar = be.compile("ebnf", 'root ::= "hello world " [0-9] [0-9]')
+    finally:
+        be.shutdown()
+    m = grammar.new_matcher()
+    assert isinstance(m, XGrammarMatcher)
+    forced = m.jump_forward_tokens("")
+    assert forced and grammar_tokenizer.decode(forced) == "hello world "
+    for _ in range(2):
+        allowed = m.allowed_token_ids()
+        assert allowed and eos not in allowed
+        assert all(re.fullmatch(r"[0-9]{1,2}", grammar_tokenizer.decode([t])) for t in allowed)
+        digit = next(t for t in allowed if len(grammar_tokenizer.decode([t])) == 1)
+        assert m.accept_token(digit)
+    assert m.is_final() and m.allowed_token_ids() == [eos]
+    assert m.accept_token(eos) and m.is_terminated() and not m.accept_token(eos)
