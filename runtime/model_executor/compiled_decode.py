@@ -28,6 +28,12 @@ class CompiledDecode:
         """Wraps `model.forward`; compiles nothing until the first call."""
         self.model = model
         self.enabled = enabled
+        if enabled:
+            # round to the model dtype where eager would, inside fused kernels (bf16 tokens then
+            # follow the eager path instead of drifting from it)
+            import torch._inductor.config as inductor_config
+
+            inductor_config.emulate_precision_casts = True
         self._fn = torch.compile(model.forward, dynamic=True) if enabled else None
         self._seen: set[bool] = set()          # batch-size classes run so far: (batch_size == 1)
 

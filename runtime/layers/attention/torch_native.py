@@ -45,7 +45,7 @@ class _KernelMeta:
     req_pool_indices: torch.Tensor  # [bs]
     seq_lens: torch.Tensor          # [bs]
     prefix_lens: torch.Tensor       # [bs]
-    qo_indptr: torch.Tensor         # [bs + 1] start of each request's queries in q
+    qo_indptr: torch.Tensor         # [bs + 1] start of each request's queries in q (zeros if all_decode)
     all_decode: bool                # every extend_len == 1: the decode kernel applies
     groups: list[_Group] | None = None
 
@@ -65,13 +65,15 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     @staticmethod
     def _kernel_meta(fb: ForwardBatch) -> _KernelMeta:
-        ext = fb.extend_lens_cpu
-        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int64)
-        if ext:
-            torch.cumsum(torch.tensor(ext, dtype=torch.int64), 0, out=qo_indptr[1:])
+        """Cheap per pass: no table reads, no copies beyond dtype/contiguity fixes."""
         i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731
-        return _KernelMeta(i64(fb.req_pool_indices), i64(fb.seq_lens), i64(fb.prefix_lens), qo_indptr,
-                           all(n == 1 for n in ext))
+        seq_lens, prefix_lens = i64(fb.seq_lens), i64(fb.prefix_lens)
+        ext = seq_lens - prefix_lens
+        all_decode = fb.forward_mode.is_decode or bool((ext == 1).all())
+        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        if not all_decode:
+            torch.cumsum(ext, 0, out=qo_indptr[1:])
+        return _KernelMeta(i64(fb.req_pool_indices), seq_lens, prefix_lens, qo_indptr, all_decode)
 
     def _build_groups(self, fb: ForwardBatch) -> list[_Group]:
         ext = fb.extend_lens_cpu
