@@ -111,7 +111,7 @@ def _greedy_body(prompt: str, n: int) -> dict:
 
 def server_rss(server: ServerProcess) -> int:
     """Resident memory (bytes) of the server process and all its descendants."""
-    from tests.test_faults import descendants
+    from tests.e2e.test_faults import descendants
 
     total = 0
     for pid in [server.proc.pid, *descendants(server.proc.pid)]:

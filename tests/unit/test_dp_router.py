@@ -1,4 +1,4 @@
-"""The DP router's policies, as pure logic (the end-to-end DP test is in tests/test_scale_out.py)."""
+"""The DP router's policies, as pure logic (the end-to-end DP test is in tests/e2e/test_scale_out.py)."""
 
 from __future__ import annotations
 

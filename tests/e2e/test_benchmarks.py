@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_bench(name: str) -> Any:

@@ -26,7 +26,7 @@ import pytest
 from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 API_KEY = "sk-radixlm-secret-4d9e1b7c"
-ONE_THREAD = {"RADIXLM_NUM_THREADS": "1"}   # see tests/test_soak.py
+ONE_THREAD = {"RADIXLM_NUM_THREADS": "1"}   # see tests/e2e/test_soak.py
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "256", "--max-total-tokens", "4096",
                 "--log-requests")
 OPEN_PATHS = {"/health", "/metrics"}
