@@ -41,8 +41,8 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def tiny_model() -> str:
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import ensure_tiny_models
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import ensure_tiny_models
 
     return ensure_tiny_models()["llama"]
 

@@ -260,10 +260,10 @@ def test_child_death_fails_requests_and_exits(llama_path: str) -> None:
 
 
 def _is_worker(pid: int) -> bool:
-    """A scheduler/detokenizer child (multiprocessing's resource tracker is not one)."""
+    """A scheduler/detokenizer child (started as `python -m radixlm.runtime.entrypoints.child`)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
     except OSError:
         return False
-    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+    return b"radixlm.runtime.entrypoints.child" in cmdline

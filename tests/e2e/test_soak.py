@@ -111,10 +111,10 @@ def _greedy_body(prompt: str, n: int) -> dict:
 
 def server_rss(server: ServerProcess) -> int:
     """Resident memory (bytes) of the server process and all its descendants."""
-    from tests.e2e.test_faults import descendants
+    from tests.server_fixtures import descendant_pids
 
     total = 0
-    for pid in [server.proc.pid, *descendants(server.proc.pid)]:
+    for pid in [server.proc.pid, *descendant_pids(server.proc.pid)]:
         try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
