@@ -67,12 +67,16 @@ def enabled() -> bool:
 
 def fits(*tensors: Tensor) -> bool:
     """True when the ops are loaded and take these tensors: CPU, one dtype of fp32/bf16/fp16,
-    1 to 3 dims with a contiguous last dim."""
+    1 to 3 dims with a contiguous last dim. (Called per layer per step: kept cheap.)"""
     if not enabled():
         return False
     dtype = tensors[0].dtype
-    return dtype in _DTYPES and all(
-        t.device.type == "cpu" and t.dtype == dtype and 1 <= t.dim() <= 3 and t.stride(-1) == 1 for t in tensors)
+    if dtype not in _DTYPES:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1 or not 1 <= t.dim() <= 3:
+            return False
+    return True
 
 
 def call(name: str, *args) -> None:

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         the fused path writes both into the given tensors (in place)."""
         if x.dim() >= 2 and cpu_ops.fits(x, self.weight):
             if residual is None:
-                out = torch.empty(x.shape, dtype=x.dtype)
+                out = torch.empty_like(x)          # dense like x, or contiguous for a strided view
                 cpu_ops.call("rms_norm", out, x, self.weight, self.eps)
                 return out
             if residual.shape == x.shape and cpu_ops.fits(x, residual):
