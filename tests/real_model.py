@@ -46,8 +46,8 @@ def smollm2_gguf() -> str:
 
 
 @functools.cache
-def hf_reference() -> tuple:
-    """(HF model in fp32, HF tokenizer), both read from the GGUF file by transformers (the model
+def hf_reference(dtype: str = "float32") -> tuple:
+    """(HF model in `dtype`, HF tokenizer), both read from the GGUF file by transformers (the model
     dequantized to a dense one, as our loader does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -56,7 +56,7 @@ def hf_reference() -> tuple:
 
     folder, kwargs = hf_pretrained_args(smollm2_gguf())
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=kwargs["gguf_file"])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs).eval()
     return model, tokenizer
 
 
@@ -67,11 +67,11 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
 
 
 @functools.cache
-def hf_greedy_chat(max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+def hf_greedy_chat(max_new_tokens: int, dtype: str = "float32") -> tuple[tuple[int, ...], ...]:
     """HF greedy tokens (ending at eos or `max_new_tokens`) for every CHAT_PROMPTS entry."""
     import torch
 
-    model, tokenizer = hf_reference()
+    model, tokenizer = hf_reference(dtype)
     out = []
     for prompt in CHAT_PROMPTS:
         ids = chat_ids(tokenizer, prompt)

@@ -14,10 +14,10 @@ tensor and copies this rank's slice into `param`, so no rank keeps the whole mod
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from radixlm.runtime.layers.packed_linear import linear
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -56,13 +56,14 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.weight = _make_param((self.output_size_per_rank, input_size), self.weight_loader)
         self.bias = _make_param((self.output_size_per_rank,), self.weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None   # set by pack_linear_weights after loading
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         rows = param.shape[0]
         copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.packed_weight, self.bias)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -131,6 +132,7 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.weight = _make_param((output_size, self.input_size_per_rank), self.weight_loader)
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None   # set by pack_linear_weights after loading
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         cols = param.shape[1]
@@ -138,7 +140,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, input_size_per_rank] (this rank's slice of the input features)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.packed_weight)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

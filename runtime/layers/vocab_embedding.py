@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from radixlm.runtime.layers.packed_linear import linear
 from radixlm.runtime.utils import ceil_div
 
 
@@ -54,15 +55,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabParallelEmbedding | None = None):
         if tied_to is None:
             super().__init__(vocab_size, hidden_size)
+            self.packed_weight: torch.Tensor | None = None   # set by pack_linear_weights
             return
         nn.Module.__init__(self)
         self.tp_rank, self.tp_size = tied_to.tp_rank, tied_to.tp_size
         self.vocab_size, self.rows_per_rank = tied_to.vocab_size, tied_to.rows_per_rank
         self.vocab_start, self.num_real_rows = tied_to.vocab_start, tied_to.num_real_rows
         self.weight = tied_to.weight
+        self.packed_weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab_size] in float32, gathered over all ranks."""
-        logits = F.linear(hidden, self.weight)           # [n, rows_per_rank]
+        logits = linear(hidden, self.weight, self.packed_weight)   # [n, rows_per_rank]
         logits = tp_all_gather(logits, dim=-1)           # [n, rows_per_rank * tp]
         return logits[:, : self.vocab_size].float()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.layers.attention.base import create_backend
+from radixlm.runtime.layers.packed_linear import pack_linear_weights, packed_weight_bytes
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -51,6 +52,8 @@ class ModelRunner:
         from radixlm.runtime.models.weight_loader import load_model
 
         self.model = load_model(self.model_config, self.device)
+        if not (server_args.disable_packed_weights or server_args.enable_torch_compile):
+            pack_linear_weights(self.model)
         self.dtype = self.model_config.dtype
         self.page_size = server_args.page_size
         self._init_memory()
@@ -105,6 +108,7 @@ class ModelRunner:
         max running requests x context length (by default 64 requests on CPU, 256 on CUDA)."""
         frac = self.server_args.mem_fraction_static
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes += packed_weight_bytes(self.model)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * frac - (total - free)
