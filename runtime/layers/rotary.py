@@ -3,7 +3,9 @@
 Supported `rope_type`s: "default", "linear" and "llama3" (the Llama 3.1 frequency smoothing).
 The cos/sin table (half width: both halves of a head share one frequency) is computed once in
 fp32 for every position up to `max_position`; `forward` gathers the rows of `positions` and
-casts them to the activation dtype, as HF does.
+casts them to the activation dtype, as HF does. On CPU the fused C++ op (kernels/cpu_ops) rotates
+q and k in place straight from the fp32 table, with the same rounding and no per-layer temporaries;
+`forward_native` is the torch code, the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 
 import torch
 from torch import nn
+
+from radixlm.kernels import cpu_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -57,7 +61,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to flat q and k: `forward(positions, q, k) -> (q, k)`, shapes unchanged."""
+    """Applies rope to flat q and k: `forward(positions, q, k) -> (q, k)`, shapes unchanged. The fused
+    path rotates q and k in place and returns them; the torch path returns new tensors."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
@@ -71,6 +76,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [n, heads*head_dim], k: [n, kv_heads*head_dim], positions: [n]
+        if (q.dim() == 2 and k.dim() == 2 and self.cos_cache.dtype == torch.float32 and positions.dim() == 1
+                and positions.dtype in (torch.int64, torch.int32) and positions.is_contiguous()
+                and positions.device.type == "cpu" and self.cos_cache.device.type == "cpu" and cpu_ops.fits(q, k)):
+            cpu_ops.call("rotary_embedding", positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch code (new tensors, q and k unchanged)."""
         cos, sin = self._cos_sin(positions, q.dtype)                            # [n, 1, head_dim] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -2,6 +2,9 @@
 
     embed_tokens -> N x [x += attn(norm(x)); x += mlp(norm(x))] -> norm -> (lm_head in compute_logits)
 
+Layers pass the residual stream along SGLang style: each RMSNorm takes (x, residual), adds them and
+norms the sum, so on CPU the add fuses into the norm (kernels/cpu_ops); the rounding equals HF's.
+
 Attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rope, RadixAttention over
 the paged KV cache, row-parallel o_proj. Checkpoint names (q/k/v_proj, gate/up_proj) are remapped
 onto the fused parameters in `load_weights`; `forward` is plain PyTorch.
@@ -103,9 +106,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it): the next layer adds them. May overwrite
+        `hidden` and `residual` in place (the fused norm)."""
+        if residual is None:                       # first layer: the residual stream is the embedding
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,10 +131,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden, fb)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, fb, residual)
+        if residual is None:                       # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,107 @@
+"""Shared build helpers for radixlm's C++ CPU extensions (kernels/cpu_attention, kernels/cpu_ops).
+
+`load_extension(...)` compiles sources with `torch.utils.cpp_extension.load` on first use into
+`$RADIXLM_KERNEL_CACHE` (default ~/.cache/radixlm/kernels/<name>_<isa>_<hash>), one folder per
+source/flags/torch version, so later processes only load the built library.
+
+The SIMD path follows the CPU: AVX512 (avx512f/bw/vl/dq) or AVX2+FMA, read from /proc/cpuinfo;
+`RADIXLM_CPU_KERNEL_ISA=avx2|avx512` forces one. `RADIXLM_DISABLE_CPU_KERNELS=1` disables every
+extension (callers then use their torch code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ISA_FLAGS = {
+    "avx512": ["-DRADIXLM_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "avx2": ["-DRADIXLM_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}}
+
+
+def env_flag(name: str) -> bool:
+    """True when the environment variable `name` is set to something other than '', '0' or 'false'."""
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+def kernels_disabled() -> bool:
+    return env_flag("RADIXLM_DISABLE_CPU_KERNELS")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pick_isa(flags: set[str] | None = None) -> str | None:
+    """The best SIMD path this CPU runs ('avx512', 'avx2'), or None."""
+    flags = cpu_flags() if flags is None else flags
+    forced = os.environ.get("RADIXLM_CPU_KERNEL_ISA")
+    for isa in ([forced] if forced else ["avx512", "avx2"]):
+        if isa in ISA_NEEDS and ISA_NEEDS[isa] <= flags:
+            return isa
+    return None
+
+
+def build_dir(kind: str, isa: str, hashed_files: list[Path], flags: list[str]) -> Path:
+    """The cache folder for one build: keyed on the sources' bytes, the flags and torch's version.
+    Side effect: creates the folder."""
+    h = hashlib.sha256()
+    for path in hashed_files:
+        h.update(path.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    root = Path(os.environ.get("RADIXLM_KERNEL_CACHE", Path.home() / ".cache" / "radixlm" / "kernels"))
+    d = root / f"{kind}_{isa}_{h.hexdigest()[:16]}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], headers: list[Path],
+                   extra_flags: tuple[str, ...] = ()):
+    """Builds (first time only) and imports extension `radixlm_<kind>_<isa>`; None if disabled or on failure.
+
+    `what` names the kernels in log lines ("CPU attention kernels"). Side effects: may compile into
+    the cache folder (tens of seconds) and logs that it does; logs one warning on failure.
+    """
+    if kernels_disabled():
+        return None
+    isa = isa or pick_isa()
+    if isa is None:
+        logger.warning("%s need AVX2+FMA or AVX512; using the torch code", what)
+        return None
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa], *extra_flags]
+    folder = build_dir(kind, isa, [*sources, *headers], flags)
+    name = f"radixlm_{kind}_{isa}"
+    fresh = not any(folder.glob(f"{name}*.so"))
+    if fresh:
+        logger.info("Compiling %s (%s) into %s; first use only, about a minute", what, isa, folder)
+    t0 = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        include_dirs = sorted({str(p.parent) for p in headers})
+        mod = load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                   extra_include_paths=include_dirs, build_directory=str(folder), verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure falls back to torch code
+        logger.warning("%s failed to build (%s: %s); using the torch code", what, type(e).__name__,
+                       str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+    if fresh:
+        logger.info("%s (%s) built in %.1f s", what, isa, time.perf_counter() - t0)
+    return mod

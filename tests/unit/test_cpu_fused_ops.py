@@ -1,0 +1,173 @@
+"""The fused CPU ops (kernels/cpu_ops) against the eager torch code of the layers, bit for bit.
+
+The references are the layers' own torch paths (`forward_native`), which round where HF does. The
+kernels emulate every rounding and torch's fp32 sum order, so results must be equal, bit for bit.
+Only fp32 SiLU is allowed one ulp: the kernel's exp (Sleef, as torch's vector path) could differ
+from libm's in torch's scalar tail on another build.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.kernels import cpu_ops
+from radixlm.runtime.layers.activation import SiluAndMul
+from radixlm.runtime.layers.layernorm import RMSNorm
+from radixlm.runtime.layers.rotary import RotaryEmbedding
+
+ops = cpu_ops.load_cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="fused CPU ops unavailable (no AVX2/AVX512 or no compiler)")
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+SHAPES = [(1, 576), (7, 64), (33, 100), (5, 17), (64, 1536), (3, 1)]
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units of the dtype's last place (same-sign finite values)."""
+    int_dtype = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    return (a.view(int_dtype).to(torch.int64) - b.view(int_dtype).to(torch.int64)).abs()
+
+
+def assert_close_in_ulps(got: torch.Tensor, want: torch.Tensor, max_ulps: int, max_frac: float) -> None:
+    """At most `max_ulps` apart, in at most `max_frac` of the elements."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    d = ulps(got, want)
+    assert int(d.max()) <= max_ulps, f"max {int(d.max())} ulps"
+    assert float((d > 0).float().mean()) <= max_frac, f"{float((d > 0).float().mean()):.3%} of elements differ"
+
+
+def make_norm(d: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(d, eps=9.999999747378752e-06).to(dtype)
+    norm.weight.copy_(torch.randn(d, generator=g) * 0.5 + 1)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_matches_torch(shape, dtype):
+    n, d = shape
+    norm = make_norm(d, dtype, seed=n * d)
+    x = (torch.randn(n, d, generator=torch.Generator().manual_seed(d)) * 3).to(dtype)
+    x_before = x.clone()
+    got = norm(x)
+    assert torch.equal(x, x_before)
+    assert torch.equal(got, norm.forward_native(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_add_rms_norm_matches_torch(shape, dtype):
+    n, d = shape
+    norm = make_norm(d, dtype, seed=n + d)
+    g = torch.Generator().manual_seed(n)
+    x, res = (torch.randn(n, d, generator=g) * 2).to(dtype), torch.randn(n, d, generator=g).to(dtype)
+    want_x, want_res = norm.forward_native(x.clone(), res.clone())
+    got_x, got_res = norm(x, res)
+    assert got_x is x and got_res is res                      # in place
+    assert torch.equal(got_res, want_res)                      # the sum is rounded once, exactly as torch
+    assert torch.equal(got_x, want_x)
+
+
+def test_rms_norm_per_head_on_strided_view():
+    """Qwen3's q_norm: a [n, heads, head_dim] view of the fused qkv output (rows not contiguous)."""
+    norm = make_norm(64, torch.bfloat16, seed=1)
+    qkv = torch.randn(6, (4 + 2 + 2) * 64).to(torch.bfloat16)
+    q = qkv[:, : 4 * 64].reshape(6, 4, 64)
+    assert not q.is_contiguous()
+    assert torch.equal(norm(q), norm.forward_native(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [8, 1024, 5000, 20000])
+def test_rms_norm_sum_order_matches_torch_on_long_rows(d, dtype):
+    """Long rows with outliers (sums that are not exact in fp32): the mean must still be torch's."""
+    norm = make_norm(d, dtype, seed=d)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, d, generator=g) * torch.exp(torch.randn(9, d, generator=g) * 2)
+    x = x.to(dtype)
+    assert torch.equal(norm(x), norm.forward_native(x))
+    res = torch.randn(9, d, generator=g).to(dtype)
+    got, want = norm(x.clone(), res.clone()), norm.forward_native(x.clone(), res.clone())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1536), (9, 64), (4, 100), (3, 7), (40, 96), (2, 65)])
+def test_silu_and_mul_matches_torch(shape, dtype):
+    n, d = shape
+    x = (torch.randn(n, 2 * d, generator=torch.Generator().manual_seed(d)) * 4).to(dtype)
+    act = SiluAndMul()
+    got, want = act(x), act.forward_native(x)
+    if dtype == torch.float32:     # Sleef's exp like torch's vector path; a 1-ulp difference is tolerated
+        assert_close_in_ulps(got, want, max_ulps=1, max_frac=0.01)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (3, 1, 80), (2, 2, 16)])
+def test_rotary_matches_torch(heads, kv_heads, head_dim, dtype):
+    rope = RotaryEmbedding(head_dim, 4096, 100000.0)
+    n = 11
+    g = torch.Generator().manual_seed(head_dim + heads)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim: (heads + kv_heads) * head_dim]
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    want_q, want_k = rope.forward_native(positions, q.clone(), k.clone())
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()   # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)       # v untouched
+
+
+def test_rotary_int32_positions_and_out_of_range():
+    rope = RotaryEmbedding(64, 128, 10000.0)
+    q, k = torch.randn(3, 128).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
+    pos = torch.tensor([0, 5, 127], dtype=torch.int32)
+    want = rope.forward_native(pos.long(), q.clone(), k.clone())
+    ops.rotary_embedding(pos, q, k, rope.cos_cache, rope.sin_cache, 64)
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+    with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
+        ops.rotary_embedding(torch.tensor([0, 1, 128]), q, k, rope.cos_cache, rope.sin_cache, 64)
+
+
+def test_unsupported_inputs_use_the_torch_path():
+    norm = make_norm(8, torch.float64, seed=0)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    assert torch.equal(norm(x), norm.forward_native(x))                      # float64: torch code
+    act = SiluAndMul()
+    x4 = torch.randn(2, 3, 4, 16).to(torch.bfloat16)                         # 4-D: torch code
+    assert torch.equal(act(x4), act.forward_native(x4))
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("RADIXLM_DISABLE_FUSED_OPS", "1")
+    cpu_ops.load_cpu_ops.cache_clear()
+    try:
+        assert cpu_ops.load_cpu_ops() is None
+    finally:
+        monkeypatch.delenv("RADIXLM_DISABLE_FUSED_OPS")
+        cpu_ops.load_cpu_ops.cache_clear()
+    assert cpu_ops.load_cpu_ops() is not None
+
+
+def test_compiled_layers_keep_ops_in_graph():
+    """torch.compile(fullgraph=True) over norm + rotary + silu: the custom ops trace without a break
+    and give the eager kernels' results."""
+    norm, act, rope = make_norm(128, torch.bfloat16, seed=2), SiluAndMul(), RotaryEmbedding(64, 256, 10000.0)
+
+    def step(x, res, positions):
+        h, res = norm(x, res)
+        q, k = h[:, :64], h[:, 64:]
+        q, k = rope(positions, q, k)
+        return act(h), res
+
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(5, 128, generator=g).to(torch.bfloat16), torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    pos = torch.arange(5)
+    want = step(x.clone(), res.clone(), pos)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x.clone(), res.clone(), pos)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
