@@ -1,18 +1,25 @@
 """SGLang's own client code, unmodified, against a radixlm server (tiny llama, CPU).
 
-Needs the `sglang` package (`pip install --no-deps sglang` plus psutil, pybase64, aiohttp): skipped
-without it. Covers the `@function` frontend (gen with stop / stop_regex / regex / choices / json via
-regex, select, fork, streaming) and SGLang's server-agnostic regex test kit.
+Needs the `sglang` package (`pip install --no-deps sglang` plus the modules listed in benchmarks/README.md,
+"SGLang's own client"): skipped without it. Covers the `@function` frontend (gen with stop / stop_regex /
+regex / choices / json via regex, select, fork, streaming), SGLang's server-agnostic regex test kit, and
+a short `sglang.bench_serving --backend sglang` run (benchmarks/sglang_bench_serving.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import unittest
+from pathlib import Path
 
 import pytest
 
-from tests.server_fixtures import ServerProcess, start_server, wait_kv_free
+from tests.real_model import smollm2_gguf
+from tests.server_fixtures import ServerProcess, server_fixture, start_server, wait_kv_free
 
 try:
     import sglang as sgl
@@ -20,6 +27,7 @@ try:
 except Exception as e:  # noqa: BLE001 - missing package or one of the modules its frontend imports
     pytest.skip(f"sglang frontend not importable: {e}", allow_module_level=True)
 
+BENCH_RUNNER = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_bench_serving.py"
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "1024", "--max-total-tokens", "16384")
 
 
@@ -74,6 +82,27 @@ def test_fork_and_streaming(server: ServerProcess) -> None:
     assert re.fullmatch(r"(yes|no)", streamed["pick"])
 
 
+def test_bench_serving_sglang_backend(server: ServerProcess, llama_path: str, tmp_path: Path) -> None:
+    """SGLang's benchmark client, native /generate streamed with ignore_eos: every request succeeds and
+    the token counts it reads from each chunk's meta_info add up exactly."""
+    out = tmp_path / "bench.jsonl"
+    num_prompts, input_len, output_len = 6, 32, 8
+    cmd = [sys.executable, str(BENCH_RUNNER), "--backend", "sglang", "--base-url", server.base_url,
+           "--dataset-name", "random-ids", "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
+           "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+           "--max-concurrency", "3", "--tokenizer", llama_path, "--seed", "1", "--disable-tqdm",
+           "--output-file", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Serving Benchmark Result" in proc.stdout
+    result = json.loads(out.read_text().splitlines()[-1])
+    assert result["completed"] == num_prompts, proc.stdout[-3000:]
+    assert result["total_output_tokens"] == num_prompts * output_len
+    assert result["total_input_tokens"] == num_prompts * input_len
+    wait_kv_free(server)
+
+
 @pytest.fixture
 def kit_url(request: pytest.FixtureRequest, server: ServerProcess) -> None:
     request.cls.base_url = server.base_url
@@ -90,3 +119,21 @@ class TestRegexKit(RegexConstrainedMixin, unittest.TestCase):
 
     def test_regex_generate_custom_log_format(self):
         pytest.skip("random weights do not close this unbounded pattern within 128 tokens")
+
+
+real_server = server_fixture("--dtype", "bfloat16", "--context-length", "2048", "--max-total-tokens", "8192",
+                             model=smollm2_gguf, timeout=900)
+
+
+@pytest.fixture
+def real_kit_url(request: pytest.FixtureRequest, real_server: ServerProcess) -> None:
+    request.cls.base_url = real_server.base_url
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("real_kit_url")
+class TestRegexKitRealModel(RegexConstrainedMixin, unittest.TestCase):
+    """The whole regex kit, unbounded patterns included, on SmolLM2-135M-Instruct (bf16).
+
+    SGLang's JSON kit is not run here: on this 135M model it fails on vLLM's CPU server too (the
+    model loops inside the name string or the integer until max_new_tokens); see the issue-15 note."""
