@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixlm.kernels import cpu_ops
+from radixlm.kernels.cpu_build import cpu_flags
 from radixlm.runtime.layers.activation import SiluAndMul
 from radixlm.runtime.layers.layernorm import RMSNorm
 from radixlm.runtime.layers.rotary import RotaryEmbedding
@@ -171,3 +172,33 @@ def test_compiled_layers_keep_ops_in_graph():
     want = step(x.clone(), res.clone(), pos)
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(x.clone(), res.clone(), pos)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="no AVX2")
+def test_avx2_build_matches_torch():
+    """The AVX2 path, built separately (one extra compile), on every op and dtype."""
+    avx2 = cpu_ops.load_cpu_ops("avx2")
+    assert avx2 is not None and avx2.isa() == "avx2"
+    g = torch.Generator().manual_seed(11)
+    for dtype in DTYPES:
+        norm, act, rope = make_norm(100, dtype, seed=4), SiluAndMul(), RotaryEmbedding(80, 512, 10000.0)
+        x, res = torch.randn(9, 100, generator=g).to(dtype), torch.randn(9, 100, generator=g).to(dtype)
+        out = torch.empty_like(x)
+        avx2.rms_norm(out, x, norm.weight, norm.eps)
+        assert torch.equal(out, norm.forward_native(x))
+        want = norm.forward_native(x.clone(), res.clone())
+        avx2.fused_add_rms_norm(x, res, norm.weight, norm.eps)
+        assert torch.equal(x, want[0]) and torch.equal(res, want[1])
+        gu = (torch.randn(9, 2 * 100, generator=g) * 4).to(dtype)
+        out = torch.empty(9, 100, dtype=dtype)
+        avx2.silu_and_mul(out, gu)
+        if dtype == torch.float32:
+            assert_close_in_ulps(out, act.forward_native(gu), max_ulps=1, max_frac=0.01)
+        else:
+            assert torch.equal(out, act.forward_native(gu))
+        q, k = torch.randn(9, 3 * 80, generator=g).to(dtype), torch.randn(9, 80, generator=g).to(dtype)
+        pos = torch.randint(0, 512, (9,), generator=g)
+        want = rope.forward_native(pos, q.clone(), k.clone())
+        avx2.rotary_embedding(pos, q, k, rope.cos_cache, rope.sin_cache, 80)
+        assert torch.equal(q, want[0]) and torch.equal(k, want[1])
