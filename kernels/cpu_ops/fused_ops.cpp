@@ -170,7 +170,7 @@ inline int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, 16384 / std::
 // torch's own order for the fp32 sum over one contiguous row (the cascade of ATen's SumKernel.cpp:
 // 4 interleaved partial sums of torch vectors, summed in levels of 2^level_power, then the scalar
 // tail, then the lanes), so the mean of squares equals torch's bit for bit. `at(j)` is the j-th
-// element of the row (a float) or, with Acc = fvec, the j-th full vector.
+// element of the row (a float) or, with Acc = f8, the j-th full 8-float vector.
 inline int64_t ceil_log2(int64_t x) {
   if (x <= 2) return 1;
   int64_t bits = 0;
