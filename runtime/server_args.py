@@ -79,6 +79,8 @@ class ServerArgs:
                                     "batch-size class; the first decode pays the compile time (logged).")
     disable_packed_weights: bool = _f(False, "On CPU, keep bf16/fp16 linear weights in their plain layout "
                                       "instead of prepacking them once for oneDNN (slower matmuls).")
+    disable_cpu_preload: bool = _f(False, "On CPU, do not LD_PRELOAD tcmalloc into the scheduler and "
+                                   "detokenizer even when it is installed.")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
     grammar_compile_timeout: float = _f(30.0, "Seconds allowed to compile one regex / JSON schema.")
     constrained_json_whitespace_pattern: str | None = _f(None, "Regex for whitespace allowed inside JSON output.")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from radixlm.runtime.entrypoints.cpu_env import cpu_child_env
 from radixlm.runtime.managers.io_struct import ChildFailed, DetokenizerReady, SchedulerReady
 from radixlm.runtime.managers.ipc import PortArgs
 from radixlm.runtime.server_args import ServerArgs
@@ -49,15 +50,16 @@ DETOKENIZER_TARGET = ("radixlm.runtime.managers.detokenizer_manager", "run_detok
 def child_env(server_args: ServerArgs) -> dict[str, str]:
     """The environment of every child process: this process's, plus
     - PYTHONPATH = this interpreter's sys.path, so the child imports the same radixlm;
-    - OMP_WAIT_POLICY=PASSIVE (unless set): OpenMP threads that spin while waiting starve each
-      other and the tokenizer/detokenizer on a busy CPU (measured 80x slower decode on 2 loaded
-      cores)."""
+    - the CPU settings of `cpu_env.cpu_child_env` (torch threads per scheduler, OpenMP wait
+      policy, tcmalloc), each logged once at startup."""
     env = dict(os.environ)
     paths = [p for p in sys.path if p]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env, notes = cpu_child_env(server_args, env)
+    for note in notes:
+        logger.info("CPU: %s", note)
     return env
 
 
