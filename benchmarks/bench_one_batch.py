@@ -180,13 +180,27 @@ def make_runner(args: argparse.Namespace, model_path: str) -> Any:
     return ModelRunner(server_args)
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except that a layer with a
+    prepacked weight (runtime/layers/packed_linear.py) reads the packed copy instead, and a tied
+    embedding table whose LM head is packed is read one row at a time (not counted)."""
+    sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    total = 0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+            sizes.pop(id(module.weight), None)
+    return total + sum(sizes.values())
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model_path = args.model_path or common.make_qwen2_model(args.model_size, args.vocab_size)
     runner = make_runner(args, model_path)
     bandwidth = measure_bandwidth(args.bandwidth_mib << 20, runner.model_config.hidden_size, runner.dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = decode_weight_bytes(runner.model)
     if args.warmup_steps:
         run_batch(runner, 1, min(args.input_len, 32), args.warmup_steps, args.seed)
     rows = []
