@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -28,9 +29,10 @@ ISA_FLAGS = {
 ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}}
 
 
-def env_flag(name: str) -> bool:
-    """True when the environment variable `name` is set to something other than '', '0' or 'false'."""
-    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """True when variable `name` of `env` (default: this process's environment) is set to something
+    other than '', '0' or 'false'."""
+    return (os.environ if env is None else env).get(name, "0") not in ("", "0", "false", "False")
 
 
 def kernels_disabled() -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from radixlm.kernels.cpu_build import env_flag
 from radixlm.runtime.server_args import ServerArgs
 
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -42,10 +43,6 @@ def find_tcmalloc() -> str | None:
             if path.is_file():
                 return str(path)
     return None
-
-
-def env_flag(env: dict[str, str], name: str) -> bool:
-    return env.get(name, "0") not in ("", "0", "false", "False")
 
 
 def available_cores() -> int:
@@ -71,7 +68,7 @@ def cpu_child_env(server_args: ServerArgs, env: dict[str, str]) -> tuple[dict[st
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     notes.append(f"{schedulers} scheduler(s) x {threads} torch thread(s) on {cores} core(s), "
                  f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', 'default')}")
-    if server_args.disable_cpu_preload or env_flag(env, "RADIXLM_DISABLE_CPU_PRELOAD"):
+    if server_args.disable_cpu_preload or env_flag("RADIXLM_DISABLE_CPU_PRELOAD", env):
         notes.append("tcmalloc: not preloaded (disabled)")
         return env, notes
     path = find_tcmalloc()

@@ -28,12 +28,12 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: a new normed tensor (x unchanged). With it: (x, residual) after the add;
         the fused path writes both into the given tensors (in place)."""
-        if x.dim() >= 2 and cpu_ops.fits(x, self.weight):
-            if residual is None:
+        if x.dim() >= 2:
+            if residual is None and cpu_ops.fits(x, self.weight):
                 out = torch.empty_like(x)          # dense like x, or contiguous for a strided view
                 cpu_ops.call("rms_norm", out, x, self.weight, self.eps)
                 return out
-            if residual.shape == x.shape and cpu_ops.fits(x, residual):
+            if residual is not None and residual.shape == x.shape and cpu_ops.fits(x, residual, self.weight):
                 cpu_ops.call("fused_add_rms_norm", x, residual, self.weight, self.eps)
                 return x, residual
         return self.forward_native(x, residual)

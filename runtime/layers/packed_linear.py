@@ -10,8 +10,9 @@ instead of 32-37 ms at batch 16 (benchmarks/README.md). The results are bit-iden
     pack_linear_weights(model)      # after load_weights: every layer with a `packed_weight` slot
     y = linear(x, layer.weight, layer.packed_weight, bias)
 
-Only bf16/fp16 weights on CPU are packed (fp32 F.linear goes to MKL's sgemm, which is left alone). Packing frees the dense weight unless another module shares it (a tied
-LM head keeps the embedding table, and gets its own packed copy). `--disable-packed-weights` (or
+Only bf16/fp16 weights on CPU are packed (fp32 F.linear goes to MKL's sgemm, which is left alone).
+Packing frees the dense weight unless another module shares it (a tied LM head keeps the embedding
+table, and gets its own packed copy). `--disable-packed-weights` (or
 `RADIXLM_DISABLE_PACKED_WEIGHTS=1`) keeps the plain path; `--enable-torch-compile` does too, since
 inductor packs the weights of the graphs it compiles itself.
 """
@@ -19,12 +20,13 @@ inductor packs the weights of the graphs it compiles itself.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm.kernels.cpu_build import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +44,6 @@ def packing_supported(weight: torch.Tensor) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
-def packing_disabled() -> bool:
-    return os.environ.get("RADIXLM_DISABLE_PACKED_WEIGHTS", "0") not in ("", "0", "false", "False")
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one. x: [n, in] -> [n, out]."""
@@ -61,7 +59,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     empty tensor when nothing else holds it. Returns how many weights were packed (0 when packing is
     disabled or unsupported here); logs the count and the time taken.
     """
-    if packing_disabled():
+    if env_flag("RADIXLM_DISABLE_PACKED_WEIGHTS"):
         logger.info("Packed weights off (RADIXLM_DISABLE_PACKED_WEIGHTS); linear layers use F.linear")
         return 0
     start = time.perf_counter()
