@@ -78,7 +78,8 @@ class ServerArgs:
     enable_torch_compile: bool = _f(False, "Compile the decode forward with torch.compile (inductor), once per "
                                     "batch-size class; the first decode pays the compile time (logged).")
     disable_packed_weights: bool = _f(False, "On CPU, keep bf16/fp16 linear weights in their plain layout "
-                                      "instead of prepacking them once for oneDNN (slower matmuls).")
+                                      "instead of packing them once (radixlm's AVX512-BF16 gemm layout in "
+                                      "2 MiB pages, else oneDNN's; slower matmuls without).")
     disable_cpu_preload: bool = _f(False, "On CPU, do not LD_PRELOAD tcmalloc into the scheduler and "
                                    "detokenizer even when it is installed.")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")

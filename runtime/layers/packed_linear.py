@@ -1,37 +1,60 @@
-"""Linear layers on CPU with their weights prepacked for oneDNN, once, after loading.
+"""Linear layers on CPU with their weights packed once, after loading, for a faster matmul.
 
-`F.linear` on a plain row-major bf16 weight makes oneDNN reorder (or read with a poor stride) the
-whole weight on every call. Reordering once into oneDNN's blocked layout and calling the packed
-matmul reads each weight byte once per step instead: on this project's 2-core AVX512-BF16 box the
-30 layers of SmolLM2-135M plus its LM head took 16 ms instead of 21-31 ms at batch 1 and 20-22 ms
-instead of 32-37 ms at batch 16 (benchmarks/README.md). The results are bit-identical to F.linear
-(the same oneDNN kernels compute them).
+A bf16 decode step at small batch is bound by reading the weights. `F.linear` on a plain row-major
+weight makes oneDNN reorder (or read with a poor stride) the whole weight on every call. Packing
+once avoids that, in one of two layouts:
+
+- **gemm** (CPUs with AVX512-BF16, bf16 weights): kernels/cpu_gemm's blocked k-pair layout, all
+  weights in one arena of 2 MiB pages. On this project's 2-core VM, SmolLM2-135M's 121 matmuls at
+  batch 1 took 5.7-8.6 ms against 15-19 ms for oneDNN's packed matmul (4 KiB pages cost half the
+  read bandwidth there), and it stays ahead up to batch 64 (benchmarks/README.md). The sums run in
+  k order in fp32, so outputs equal F.linear's for most shapes and differ by bf16 rounding for the
+  rest.
+- **onednn** (other CPUs, and fp16): oneDNN's own blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`): bit-identical to F.linear.
 
     pack_linear_weights(model)      # after load_weights: every layer with a `packed_weight` slot
     y = linear(x, layer.weight, layer.packed_weight, bias)
 
-Only bf16/fp16 weights on CPU are packed (fp32 F.linear goes to MKL's sgemm, which is left alone).
-Packing frees the dense weight unless another module shares it (a tied LM head keeps the embedding
-table, and gets its own packed copy). `--disable-packed-weights` (or
-`RADIXLM_DISABLE_PACKED_WEIGHTS=1`) keeps the plain path; `--enable-torch-compile` does too, since
-inductor packs the weights of the graphs it compiles itself.
+fp32 weights are left alone (F.linear goes to MKL's sgemm). Packing frees the dense weight unless
+another module shares it (a tied LM head keeps the embedding table, and gets its own packed copy).
+`--disable-packed-weights` (or `RADIXLM_DISABLE_PACKED_WEIGHTS=1`) keeps the plain path, and
+`--enable-torch-compile` does too, since inductor packs the weights of the graphs it compiles.
+`RADIXLM_DISABLE_CPU_GEMM=1` keeps packing but with oneDNN's layout.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_build import env_flag
+from radixlm.kernels.cpu_gemm import load_cpu_gemm
+from radixlm.runtime.mem_cache.huge_pages import huge_page_empty, transparent_huge_pages
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 BATCH_HINT = 1   # oneDNN picks the blocked layout for this many rows; any row count still works
+
+
+@dataclass
+class GemmWeight:
+    """A weight in kernels/cpu_gemm's layout: `data` is a view into the shared huge-page arena."""
+
+    data: torch.Tensor
+    out_features: int
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def element_size(self) -> int:
+        return self.data.element_size()
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -44,12 +67,21 @@ def packing_supported(weight: torch.Tensor) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | GemmWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one. x: [n, in] -> [n, out]."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, GemmWeight):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return load_cpu_gemm().linear(x, packed.data, packed.out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _gemm_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+            and (bias is None or bias.dtype == torch.bfloat16))
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -57,29 +89,42 @@ def pack_linear_weights(model: nn.Module) -> int:
 
     Side effects: sets `module.packed_weight`, and replaces the module's dense `weight` data with an
     empty tensor when nothing else holds it. Returns how many weights were packed (0 when packing is
-    disabled or unsupported here); logs the count and the time taken.
+    disabled or unsupported here); logs the count, the layout and the time taken.
     """
     if env_flag("RADIXLM_DISABLE_PACKED_WEIGHTS"):
         logger.info("Packed weights off (RADIXLM_DISABLE_PACKED_WEIGHTS); linear layers use F.linear")
         return 0
     start = time.perf_counter()
-    modules = [m for m in model.modules() if hasattr(m, "packed_weight") and m.packed_weight is None]
+    modules = [m for m in model.modules() if getattr(m, "packed_weight", 1) is None
+               and packing_supported(m.weight)]
     weight_users: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             weight_users[id(p)] = weight_users.get(id(p), 0) + 1
-    count = 0
+    gemm = load_cpu_gemm()
+    in_gemm = [m for m in modules if gemm is not None and _gemm_fits(m.weight, getattr(m, "bias", None))]
+    sizes = [gemm.packed_numel(*m.weight.shape) for m in in_gemm]
+    arena = huge_page_empty(sum(sizes), torch.bfloat16) if in_gemm else None
+    offset = 0
     for module in modules:
-        weight = module.weight
-        if not packing_supported(weight):
-            continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-        if weight_users.get(id(weight), 0) <= 1:
+        weight = module.weight.detach()
+        if arena is not None and module in in_gemm:
+            size = gemm.packed_numel(*weight.shape)
+            data = arena[offset: offset + size]
+            offset += size
+            gemm.pack(weight.contiguous(), data)
+            module.packed_weight = GemmWeight(data, weight.shape[0])
+        else:
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        if weight_users.get(id(module.weight), 0) <= 1:
             module.weight.data = weight.new_empty((0, weight.shape[1]))
-        count += 1
-    if count:
-        logger.info("Packed %d linear weights for oneDNN in %.1f s", count, time.perf_counter() - start)
-    return count
+    if modules:
+        layout = (f"{len(in_gemm)} in the AVX512-BF16 gemm layout ({offset * 2 / 2**20:.0f} MiB, "
+                  f"transparent huge pages: {transparent_huge_pages()})" if in_gemm else "oneDNN layout")
+        if in_gemm and len(in_gemm) < len(modules):
+            layout += f", {len(modules) - len(in_gemm)} in oneDNN's"
+        logger.info("Packed %d linear weights, %s, in %.1f s", len(modules), layout, time.perf_counter() - start)
+    return len(modules)
 
 
 def packed_weight_bytes(model: nn.Module) -> int:

@@ -12,8 +12,11 @@ radix tree (page-aligned) ends on a page boundary and the request's own tail pag
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from radixlm.runtime.mem_cache.huge_pages import huge_page_empty
 from radixlm.runtime.utils import align_up, ceil_div
 
 
@@ -133,8 +136,15 @@ class KVCache:
         self.num_slots = (num_pages + 1) * page_size
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         shape = (self.num_slots, kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffer = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+        """On CPU in 2 MiB pages (decode attention streams these rows; huge_pages.py says why)."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return huge_page_empty(math.prod(shape), dtype).view(shape)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

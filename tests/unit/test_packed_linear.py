@@ -1,4 +1,6 @@
-"""Prepacked oneDNN weights: same outputs as F.linear, dense copies freed, tied embeddings kept."""
+"""Prepacked weights, in both layouts (kernels/cpu_gemm's and oneDNN's): outputs match F.linear
+(oneDNN's bit for bit, the gemm layout within one bf16 rounding), dense copies freed, tied
+embeddings kept."""
 
 from __future__ import annotations
 
@@ -6,12 +8,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels import cpu_gemm
 from radixlm.runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from radixlm.runtime.layers.packed_linear import pack_linear_weights, packing_supported
+from radixlm.runtime.layers.packed_linear import GemmWeight, pack_linear_weights, packing_supported
 from radixlm.runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.empty(2, 2, dtype=torch.bfloat16)),
                                 reason="oneDNN bf16 matmul not available on this CPU")
+
+
+@pytest.fixture(params=["gemm", "onednn"])
+def layout(request, monkeypatch):
+    """Which packed layout pack_linear_weights uses in this test."""
+    if request.param == "gemm" and not cpu_gemm.cpu_supports_gemm():
+        pytest.skip("the gemm layout needs AVX512-BF16")
+    monkeypatch.setenv("RADIXLM_DISABLE_CPU_GEMM", "1" if request.param == "onednn" else "0")
+    cpu_gemm.load_cpu_gemm.cache_clear()
+    yield request.param
+    cpu_gemm.load_cpu_gemm.cache_clear()
+
+
+def same(layout: str, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit for oneDNN's layout; within one bf16 step for the gemm layout."""
+    if layout == "onednn":
+        return torch.equal(got, want)
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+    return got.shape == want.shape and bool(((got.float() - want.float()).abs() <= ulp + 1e-6).all())
 
 
 class TinyBlock(torch.nn.Module):
@@ -34,23 +56,24 @@ def make_block(dtype: torch.dtype, bias: bool) -> TinyBlock:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 67, 300])
-def test_packed_outputs_equal_f_linear(bias, rows):
+def test_packed_outputs_equal_f_linear(layout, bias, rows):
     block = make_block(torch.bfloat16, bias)
     dense = {name: p.detach().clone() for name, p in block.named_parameters()}
     x = torch.randn(rows, 64).to(torch.bfloat16)
     h = torch.randn(rows, 192).to(torch.bfloat16)[:, :192]
     assert pack_linear_weights(block) == 4
+    assert isinstance(block.up.packed_weight, GemmWeight) == (layout == "gemm")
     with torch.inference_mode():
-        assert torch.equal(block.up(x), F.linear(x, dense["up.weight"], dense.get("up.bias")))
+        assert same(layout, block.up(x), F.linear(x, dense["up.weight"], dense.get("up.bias")))
         down_ref = F.linear(h, dense["down.weight"])
         if bias:
             down_ref = down_ref + dense["down.bias"]
-        assert torch.equal(block.down(h), down_ref)
-        assert torch.equal(block.head(x), F.linear(x, dense["embed.weight"]).float())
-        assert torch.equal(block.untied_head(x), F.linear(x, dense["untied_head.weight"]).float())
+        assert same(layout, block.down(h), down_ref)
+        assert same(layout, block.head(x), F.linear(x, dense["embed.weight"]).float())
+        assert same(layout, block.untied_head(x), F.linear(x, dense["untied_head.weight"]).float())
 
 
-def test_packing_frees_dense_weights_but_keeps_the_tied_embedding():
+def test_packing_frees_dense_weights_but_keeps_the_tied_embedding(layout):
     block = make_block(torch.bfloat16, bias=False)
     table = block.embed.weight.detach().clone()
     pack_linear_weights(block)

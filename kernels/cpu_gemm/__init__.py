@@ -1,0 +1,36 @@
+"""bf16 linear layers for CPUs with AVX512-BF16 (C++ extension), built on first use and cached.
+
+    mod = load_cpu_gemm()                       # None when disabled, unsupported here, or the build failed
+    out = torch.empty(mod.packed_numel(n, k), dtype=torch.bfloat16)   # any contiguous bf16 buffer
+    mod.pack(w, out)                            # w [n, k] bf16, k even -> blocked k-pair layout
+    y = mod.linear(x, out, n, bias)             # x [m, k] bf16 -> [m, n] bf16
+
+gemm.cpp explains the layout. runtime/layers/packed_linear.py packs every bf16 linear weight this
+way after loading, into one arena of 2 MiB pages (runtime/mem_cache/huge_pages.py), and uses oneDNN's
+packed matmul on CPUs without AVX512-BF16.
+
+`RADIXLM_DISABLE_CPU_GEMM=1` disables just this kernel; `RADIXLM_DISABLE_CPU_KERNELS=1` every kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from radixlm.kernels.cpu_build import cpu_flags, env_flag, load_extension, pick_isa
+
+_SRC_DIR = Path(__file__).parent
+
+
+def cpu_supports_gemm(flags: set[str] | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    return pick_isa(flags) == "avx512" and "avx512_bf16" in flags
+
+
+@functools.cache
+def load_cpu_gemm():
+    """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
+    if env_flag("RADIXLM_DISABLE_CPU_GEMM") or not cpu_supports_gemm():
+        return None
+    return load_extension("cpu_gemm", "bf16 GEMM kernel", "avx512", [_SRC_DIR / "gemm.cpp"], [],
+                          extra_flags=("-mavx512bf16",))

@@ -1,0 +1,72 @@
+"""kernels/cpu_gemm: the AVX512-BF16 packed linear against an fp64 reference and F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
+from radixlm.runtime.mem_cache.huge_pages import HUGE_PAGE, huge_page_empty
+
+gemm = load_cpu_gemm() if cpu_supports_gemm() else None
+pytestmark = pytest.mark.skipif(gemm is None, reason="needs a CPU with AVX512-BF16 and a C++ compiler")
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    out = huge_page_empty(gemm.packed_numel(*w.shape), torch.bfloat16)
+    gemm.pack(w, out)
+    return out
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 significant bits), elementwise."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (64, 64), (100, 64), (960, 576), (129, 1538), (3000, 96)])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 17, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference_within_one_rounding(n, k, m, with_bias):
+    torch.manual_seed(n * 7 + k + m)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    out = gemm.linear(x, packed(w), n, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    # fp32 sums then one rounding to bf16: within one bf16 step of the exact result (plus fp32 slack)
+    slack = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((out.double() - ref).abs() <= bf16_ulp(ref) + slack).all()
+    # and within one bf16 step of oneDNN's answer (which rounds its own fp32 sum)
+    want = F.linear(x, w, bias)
+    assert ((out.float() - want.float()).abs() <= bf16_ulp(want.float()) + slack.float()).all()
+
+
+def test_strided_rows_and_tail_rows_are_not_written():
+    torch.manual_seed(0)
+    w = torch.randn(70, 32).to(torch.bfloat16)
+    x = torch.randn(5, 48).to(torch.bfloat16)[:, 8:40]          # row stride 48, last dim contiguous
+    out = gemm.linear(x, packed(w), 70, None)
+    assert torch.allclose(out.float(), (x.float() @ w.float().T), rtol=1e-2, atol=1e-2)
+    # the padded block rows (70..127) are zeros in the packed copy and never reach the output
+    p = packed(w).view(2, 16, 64, 2)
+    assert (p[1, :, 6:] == 0).all()
+
+
+def test_bad_shapes_are_refused():
+    w = torch.randn(8, 6).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="even"):
+        gemm.pack(torch.randn(8, 5).to(torch.bfloat16), torch.empty(gemm.packed_numel(8, 5), dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        gemm.linear(torch.randn(2, 8).to(torch.bfloat16), packed(w), 8, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        gemm.linear(torch.randn(2, 6), packed(w), 8, None)
+
+
+def test_huge_page_arena_is_aligned_and_outlives_its_mapping_reference():
+    t = huge_page_empty(3 * 1024 * 1024 + 5, torch.bfloat16)
+    assert t.numel() == 3 * 1024 * 1024 + 5 and t.dtype == torch.bfloat16
+    assert t.data_ptr() % HUGE_PAGE == 0
+    t.fill_(1.5)
+    assert t.float().sum().item() == 1.5 * t.numel()
