@@ -20,6 +20,9 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 GRAMMAR_BACKEND_NAMES = ("outlines", "xgrammar", "llguidance", "none")
+# (chunked_prefill_size, max_prefill_tokens) when not given: SGLang's on CUDA; on CPU the size of
+# vLLM's CPU server step (max_num_batched_tokens 2048), about 1.7 s of prefill for SmolLM2 on 2 cores
+PREFILL_DEFAULTS = {"cuda": (8192, 16384), "cpu": (2048, 2048)}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "fp8_e5m2", "fp8_e4m3")
 
 
@@ -52,8 +55,12 @@ class ServerArgs:
     max_running_requests: int | None = _f(None, "Max requests decoding at once (default: derived from KV).")
     page_size: int = _f(1, "Tokens per KV page.")
     # --- scheduling
-    chunked_prefill_size: int = _f(8192, "Max prompt tokens prefilled for one request per step (-1: off).")
-    max_prefill_tokens: int = _f(16384, "Max new prompt tokens in one prefill batch.")
+    chunked_prefill_size: int | None = _f(None, "Max prompt tokens prefilled for one request per step "
+                                          "(-1: off; default: 8192 on CUDA, 2048 on CPU).")
+    max_prefill_tokens: int | None = _f(None, "Max new prompt tokens in one step's batch, which also carries "
+                                        "the running requests' decode tokens (default: 16384 on CUDA, 2048 "
+                                        "on CPU, where a 16k-token step takes seconds and holds back every "
+                                        "first token and every decode token until it ends).")
     schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _f(1.0, "Scales the reserved decode-growth estimate (higher is safer).")
     disable_radix_cache: bool = _f(False, "Turn off prefix caching (ChunkCache).")
@@ -170,9 +177,13 @@ class ServerArgs:
             from radixlm.runtime.utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
+        chunk, prefill = PREFILL_DEFAULTS["cuda" if device == "cuda" else "cpu"]
         return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or source.tokenizer_path
                             or model_path, served_model_name=served_name,
-                            device=device, attention_backend=backend, dist_init_addr=dist_addr)
+                            device=device, attention_backend=backend, dist_init_addr=dist_addr,
+                            chunked_prefill_size=chunk if self.chunked_prefill_size is None
+                            else self.chunked_prefill_size,
+                            max_prefill_tokens=prefill if self.max_prefill_tokens is None else self.max_prefill_tokens)
 
     def validate(self) -> None:
         if self.page_size < 1:

@@ -60,6 +60,9 @@ def assert_slots_partitioned(kv: KVManager, running: list[Req]) -> None:
 
 class FakeLoop:
     def __init__(self, kv: KVManager, max_running: int = 8, **server_args):
+        # unresolved args: pin the prefill budgets the tests were written for (resolved() picks per device)
+        server_args.setdefault("chunked_prefill_size", 8192)
+        server_args.setdefault("max_prefill_tokens", 16384)
         self.args = ServerArgs(**server_args)
         self.kv = kv
         self.planner = BatchPlanner(self.args, kv, max_running)
