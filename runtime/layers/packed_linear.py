@@ -102,16 +102,15 @@ def pack_linear_weights(model: nn.Module) -> int:
         for p in m.parameters(recurse=False):
             weight_users[id(p)] = weight_users.get(id(p), 0) + 1
     gemm = load_cpu_gemm()
-    in_gemm = [m for m in modules if gemm is not None and _gemm_fits(m.weight, getattr(m, "bias", None))]
-    sizes = [gemm.packed_numel(*m.weight.shape) for m in in_gemm]
-    arena = huge_page_empty(sum(sizes), torch.bfloat16) if in_gemm else None
+    in_gemm = {id(m) for m in modules if gemm is not None and _gemm_fits(m.weight, getattr(m, "bias", None))}
+    arena = huge_page_empty(sum(gemm.packed_numel(*m.weight.shape) for m in modules if id(m) in in_gemm),
+                            torch.bfloat16) if in_gemm else None
     offset = 0
     for module in modules:
         weight = module.weight.detach()
-        if arena is not None and module in in_gemm:
-            size = gemm.packed_numel(*weight.shape)
-            data = arena[offset: offset + size]
-            offset += size
+        if id(module) in in_gemm:
+            data = arena[offset: offset + gemm.packed_numel(*weight.shape)]
+            offset += data.numel()
             gemm.pack(weight.contiguous(), data)
             module.packed_weight = GemmWeight(data, weight.shape[0])
         else:
