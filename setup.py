@@ -21,6 +21,6 @@ for pkg, folder in FOLDERS.items():
 
 setup(packages=packages, package_dir=package_dir,
       package_data={"radixlm": ["demo_model/*"], "radixlm.runtime": ["entrypoints/static/*"],
-                    "radixlm.kernels.cpu_attention": ["*.cpp", "*.h"], "radixlm.kernels.cpu_ops": ["*.cpp"],
-                    "radixlm.kernels.cpu_gemm": ["*.cpp"]},
+                    "radixlm.kernels.cpu_attention": ["*.cpp", "*.h"], "radixlm.kernels.cpu_ops": ["*.cpp", "*.h"],
+                    "radixlm.kernels.cpu_gemm": ["*.cpp", "*.h"], "radixlm.kernels.cpu_decoder": ["*.cpp"]},
       include_package_data=True)

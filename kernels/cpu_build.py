@@ -1,4 +1,4 @@
-"""Shared build helpers for radixlm's C++ CPU extensions (kernels/cpu_attention, kernels/cpu_ops).
+"""Shared build helpers for radixlm's C++ CPU extensions (kernels/cpu_attention, cpu_ops, cpu_gemm, cpu_decoder).
 
 `load_extension(...)` compiles sources with `torch.utils.cpp_extension.load` on first use into
 `$RADIXLM_KERNEL_CACHE` (default ~/.cache/radixlm/kernels/<name>_<isa>_<hash>), one folder per
@@ -23,9 +23,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 ISA_FLAGS = {
-    "avx512": ["-DRADIXLM_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "avx512": ["-DRADIXLM_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "avx2": ["-DRADIXLM_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
+# Every extension is compiled with these, so kernels/cpu_decoder (which compiles all of them into one
+# library) computes exactly what the separate extensions do. No contraction of a*b+c into one fma:
+# the fused ops must round twice, as the eager torch code does.
+COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}}
 
 
@@ -87,7 +91,7 @@ def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], h
     if isa is None:
         logger.warning("%s need AVX2+FMA or AVX512; using the torch code", what)
         return None
-    flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa], *extra_flags]
+    flags = [*COMMON_FLAGS, *ISA_FLAGS[isa], *extra_flags]
     folder = build_dir(kind, isa, [*sources, *headers], flags)
     name = f"radixlm_{kind}_{isa}"
     fresh = not any(folder.glob(f"{name}*.so"))

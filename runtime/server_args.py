@@ -87,6 +87,9 @@ class ServerArgs:
     disable_packed_weights: bool = _f(False, "On CPU, keep bf16/fp16 linear weights in their plain layout "
                                       "instead of packing them once (radixlm's AVX512-BF16 gemm layout in "
                                       "2 MiB pages, else oneDNN's; slower matmuls without).")
+    disable_cpu_decoder: bool = _f(False, "On CPU, run decode steps through the Python forward, layer by layer, "
+                                   "instead of radixlm's one-call C++ decoder (same results; the C++ loop "
+                                   "drops the per-op Python work, the CPU counterpart of CUDA graphs).")
     disable_cpu_preload: bool = _f(False, "On CPU, do not LD_PRELOAD tcmalloc into the scheduler and "
                                    "detokenizer even when it is installed.")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")

@@ -32,5 +32,5 @@ def load_cpu_gemm():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
     if env_flag("RADIXLM_DISABLE_CPU_GEMM") or not cpu_supports_gemm():
         return None
-    return load_extension("cpu_gemm", "bf16 GEMM kernel", "avx512", [_SRC_DIR / "gemm.cpp"], [],
+    return load_extension("cpu_gemm", "bf16 GEMM kernel", "avx512", [_SRC_DIR / "gemm.cpp"], [_SRC_DIR / "gemm.h"],
                           extra_flags=("-mavx512bf16",))

@@ -51,8 +51,8 @@ def load_cpu_ops(isa: str | None = None):
     """
     if env_flag("RADIXLM_DISABLE_FUSED_OPS"):
         return None
-    mod = load_extension("cpu_ops", "fused CPU ops", isa, [_SRC_DIR / "fused_ops.cpp"], [_SIMD_H],
-                         extra_flags=("-ffp-contract=off", "-mavx2", "-mf16c"))
+    mod = load_extension("cpu_ops", "fused CPU ops", isa, [_SRC_DIR / "fused_ops.cpp"],
+                         [_SRC_DIR / "fused_ops.h", _SIMD_H])
     if mod is not None:
         _register_custom_ops(mod)
     return mod

@@ -21,6 +21,7 @@ from radixlm.runtime.layers.attention.base import create_backend
 from radixlm.runtime.layers.packed_linear import pack_linear_weights, packed_weight_bytes
 from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
+from radixlm.runtime.model_executor.cpu_decoder import CpuDecoder
 from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.server_args import ServerArgs
@@ -60,9 +61,19 @@ class ModelRunner:
         self.attn_backend = create_backend(
             self._pick_backend(), num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
             head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype)
-        self.decode_forward = CompiledDecode(self.model, server_args.enable_torch_compile)
-        if server_args.enable_torch_compile:
+        self.decode_forward = self._pick_decode_forward()
+
+    def _pick_decode_forward(self) -> CompiledDecode | CpuDecoder:
+        """torch.compile when asked for; on CPU the one-call C++ decoder where it applies; else eager."""
+        args = self.server_args
+        if args.enable_torch_compile:
             logger.info("torch.compile on: decode passes compile on first use of each batch-size class")
+            return CompiledDecode(self.model, True)
+        if self.device.type == "cpu" and not args.disable_cpu_decoder:
+            decoder = CpuDecoder.create(self.model, self.kv_cache, self.attn_backend, args.tp_size)
+            if decoder is not None:
+                return decoder
+        return CompiledDecode(self.model, False)
 
     # ------------------------------------------------------------- setup
     def _pick_backend(self) -> str:

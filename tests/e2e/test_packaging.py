@@ -28,7 +28,9 @@ def test_wheel_installs_and_imports_in_fresh_venv(tmp_path):
     assert "radixlm/runtime/managers/scheduler.py" in names
     assert "radixlm/runtime/entrypoints/static/dashboard.html" in names
     assert {"radixlm/kernels/cpu_attention/paged_attention.cpp", "radixlm/kernels/cpu_attention/simd.h",
-            "radixlm/kernels/cpu_ops/fused_ops.cpp", "radixlm/kernels/cpu_build.py"} <= set(names)
+            "radixlm/kernels/cpu_ops/fused_ops.cpp", "radixlm/kernels/cpu_ops/fused_ops.h",
+            "radixlm/kernels/cpu_gemm/gemm.h", "radixlm/kernels/cpu_decoder/decoder.cpp",
+            "radixlm/kernels/cpu_build.py"} <= set(names)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"

@@ -1,0 +1,39 @@
+"""The decoder layers of a CPU decode step in one C++ call (extension), built on first use and cached.
+
+    mod = load_cpu_decoder()          # None when disabled, unsupported here, or the build failed
+    dec = mod.Decoder(num_heads, num_kv_heads, head_dim, eps, scaling, cos_cache, sin_cache, final_norm)
+    dec.add_layer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache)
+    hidden = dec.forward(embeddings, positions, out_cache_loc, req_to_token, rows, seq_lens)
+
+Each linear is a tuple (weight, bias or None, out_features, packed): `packed` says the weight is in
+kernels/cpu_gemm's layout, else it is a dense [out, in] weight. decoder.cpp has the layer sequence;
+it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
+with the flags those extensions use, so it computes what they compute. The model side (which
+models and settings it takes) is runtime/model_executor/cpu_decoder.py.
+
+`RADIXLM_DISABLE_CPU_DECODER=1` disables it; `RADIXLM_DISABLE_CPU_KERNELS=1` disables every kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from radixlm.kernels.cpu_build import env_flag, load_extension, pick_isa
+from radixlm.kernels.cpu_gemm import cpu_supports_gemm
+
+_KERNELS = Path(__file__).parent.parent
+_HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",
+            _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h"]
+
+
+@functools.cache
+def load_cpu_decoder():
+    """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
+    if env_flag("RADIXLM_DISABLE_CPU_DECODER"):
+        return None
+    isa = pick_isa()
+    gemm = isa == "avx512" and cpu_supports_gemm() and not env_flag("RADIXLM_DISABLE_CPU_GEMM")
+    flags = ("-mavx512bf16", "-DRADIXLM_WITH_GEMM") if gemm else ()
+    return load_extension("cpu_decoder", "one-call CPU decoder", isa, [Path(__file__).parent / "decoder.cpp"],
+                          _HEADERS, extra_flags=flags)

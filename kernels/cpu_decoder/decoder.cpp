@@ -1,0 +1,209 @@
+// The decoder layers of a CPU decode step in one call: what runtime/models/llama.py does layer by
+// layer in Python, here as a plain C++ loop over the same kernels.
+//
+// At batch 1 a decode step of a small model is many small ops: SmolLM2-135M has 30 layers of two
+// RMSNorms, four matmuls, rotary, a K/V write and attention. Each op called from Python pays for
+// the module call, argument parsing and the tensor wrappers; together that was about a third of
+// the step. This loop calls the kernels of kernels/cpu_ops, cpu_attention and cpu_gemm directly
+// (they are compiled into this library from their headers, with the same flags), in the order the
+// Python code calls them and with the same arguments, so its output is the same to the bit.
+//
+// Per layer (residual stream SGLang style; h: [bs, hidden] of the model dtype):
+//
+//     h, residual = add_rms_norm(h, residual)        (first layer: residual = h; h = rms_norm(h))
+//     q | k | v = qkv_proj(h)                        views into one [bs, (H + 2 KVH) D] output
+//     q, k = rms_norm per head (Qwen3 only)          new tensors
+//     rotary(q, k) in place; k_cache[loc] = k; v_cache[loc] = v
+//     h = o_proj(paged_decode(q, k_cache, v_cache))
+//     h, residual = add_rms_norm(h, residual)
+//     h = down_proj(silu_and_mul(gate_up_proj(h)))
+//
+// and after the last layer h = add_rms_norm(h, residual). A linear is either radixlm's AVX512-BF16
+// gemm on a packed weight or at::linear on a dense one (what F.linear calls). A bias of a
+// row-parallel layer (o_proj, down_proj) is added after the matmul, rounded separately, as
+// RowParallelLinear does. One process, one tensor-parallel rank: no all-reduce.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "fused_ops.h"
+#include "paged_attention.h"
+#ifdef RADIXLM_WITH_GEMM
+#include "gemm.h"
+#endif
+
+namespace radixlm_decoder {
+
+struct Linear {
+  at::Tensor weight;      // packed gemm layout when `packed`, else dense [out, in]
+  at::Tensor bias;        // undefined when there is none
+  int64_t out_features = 0;
+  bool packed = false;
+  bool bias_after = false;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const bool fused_bias = bias.defined() && !bias_after;
+    at::Tensor y;
+    if (packed) {
+#ifdef RADIXLM_WITH_GEMM
+      y = radixlm_gemm::linear(x, weight, out_features, fused_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+#else
+      TORCH_CHECK(false, "cpu_decoder: built without the gemm kernel");
+#endif
+    } else {
+      y = at::linear(x, weight, fused_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    }
+    return bias.defined() && bias_after ? at::add(y, bias) : y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm;   // q_norm/k_norm undefined unless per-head norms
+  Linear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;                        // [slots, KVH, D]
+};
+
+using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, bool>;  // weight, bias, out, packed
+
+Linear make_linear(const LinearArgs& a, bool bias_after) {
+  Linear l;
+  l.weight = std::get<0>(a);
+  if (std::get<1>(a).has_value()) l.bias = *std::get<1>(a);
+  l.out_features = std::get<2>(a);
+  l.packed = std::get<3>(a);
+  l.bias_after = bias_after;
+#ifndef RADIXLM_WITH_GEMM
+  TORCH_CHECK(!l.packed, "cpu_decoder: built without the gemm kernel, so packed weights are not supported");
+#endif
+  return l;
+}
+
+// k [bs, KVH*D] rows (last dim contiguous, any row stride) -> cache rows loc[b] ([slots, KVH, D] contiguous)
+void write_kv(at::Tensor& cache, const at::Tensor& x, const int64_t* loc, int64_t bs) {
+  const int64_t row_elems = cache.size(1) * cache.size(2), slots = cache.size(0);
+  const int64_t bytes = row_elems * cache.element_size();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* src = static_cast<const char*>(x.data_ptr());
+  const int64_t src_stride = x.stride(0) * x.element_size();
+  for (int64_t b = 0; b < bs; ++b) {
+    TORCH_CHECK(loc[b] >= 0 && loc[b] < slots, "cpu_decoder: KV slot ", loc[b], " out of range [0, ", slots, ")");
+    std::memcpy(dst + loc[b] * bytes, src + b * src_stride, bytes);
+  }
+}
+
+class Decoder {
+ public:
+  Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling, at::Tensor cos_cache,
+          at::Tensor sin_cache, at::Tensor final_norm)
+      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(eps), scaling_(scaling),
+        cos_(std::move(cos_cache)), sin_(std::move(sin_cache)), final_norm_(std::move(final_norm)) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, const LinearArgs& qkv, const LinearArgs& o,
+                 const LinearArgs& gate_up, const LinearArgs& down, at::Tensor k_cache, at::Tensor v_cache) {
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                    k_cache.size(1) == KVH_ && k_cache.size(2) == D_ && v_cache.sizes() == k_cache.sizes(),
+                "cpu_decoder: K/V caches must be contiguous [slots, kv_heads, head_dim]");
+    TORCH_CHECK(std::get<2>(qkv) == (H_ + 2 * KVH_) * D_, "cpu_decoder: qkv_proj has the wrong output size");
+    Layer l;
+    l.input_norm = std::move(input_norm);
+    l.post_norm = std::move(post_norm);
+    if (q_norm.has_value()) l.q_norm = *q_norm;
+    if (k_norm.has_value()) l.k_norm = *k_norm;
+    l.qkv = make_linear(qkv, false);
+    l.o = make_linear(o, true);
+    l.gate_up = make_linear(gate_up, false);
+    l.down = make_linear(down, true);
+    l.k_cache = std::move(k_cache);
+    l.v_cache = std::move(v_cache);
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [bs, hidden] (the embeddings; used as the first residual), positions / out_cache_loc /
+  // rows (req_to_token rows) / seq_lens: int64 [bs]. Writes each layer's K/V at out_cache_loc and
+  // returns the final-normed hidden states [bs, hidden].
+  at::Tensor forward(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                     const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens) {
+    const int64_t bs = hidden.size(0);
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu_decoder: hidden must be contiguous [bs, hidden]");
+    for (const at::Tensor* t : {&positions, &out_cache_loc, &rows, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == bs,
+                  "cpu_decoder: positions, out_cache_loc, rows and seq_lens must be contiguous int64 [bs]");
+    const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
+    const int64_t q_size = H_ * D_, kv_size = KVH_ * D_;
+    at::Tensor h = hidden, residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      Layer& L = layers_[i];
+      if (i == 0) {
+        residual = h;
+        h = at::empty_like(residual);
+        radixlm_ops::rms_norm(h, residual, L.input_norm, eps_);
+      } else {
+        radixlm_ops::fused_add_rms_norm(h, residual, L.input_norm, eps_);
+      }
+      const at::Tensor qkv = L.qkv(h);
+      at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      if (L.q_norm.defined()) {
+        q = head_norm(q, H_, L.q_norm);
+        k = head_norm(k, KVH_, L.k_norm);
+      }
+      radixlm_ops::rotary_embedding(positions, q, k, cos_, sin_, D_);
+      write_kv(L.k_cache, k, loc, bs);
+      write_kv(L.v_cache, v, loc, bs);
+      at::Tensor attn = at::empty({bs, H_, D_}, h.options());
+      radixlm_attn::decode(attn, q.view({bs, H_, D_}), L.k_cache, L.v_cache, req_to_token, rows, seq_lens,
+                           scaling_, 0);
+      h = L.o(attn.view({bs, q_size}));
+      radixlm_ops::fused_add_rms_norm(h, residual, L.post_norm, eps_);
+      const at::Tensor gate_up = L.gate_up(h);
+      at::Tensor act = at::empty({bs, gate_up.size(1) / 2}, h.options());
+      radixlm_ops::silu_and_mul(act, gate_up);
+      h = L.down(act);
+    }
+    if (layers_.empty()) {
+      at::Tensor out = at::empty_like(h);
+      radixlm_ops::rms_norm(out, h, final_norm_, eps_);
+      return out;
+    }
+    radixlm_ops::fused_add_rms_norm(h, residual, final_norm_, eps_);
+    return h;
+  }
+
+ private:
+  // RMSNorm over each head of x [bs, heads*D] -> a new contiguous [bs, heads*D]
+  at::Tensor head_norm(const at::Tensor& x, int64_t heads, const at::Tensor& weight) const {
+    at::Tensor out = at::empty({x.size(0), heads, D_}, x.options());
+    radixlm_ops::rms_norm(out, x.view({x.size(0), heads, D_}), weight, eps_);
+    return out.view({x.size(0), heads * D_});
+  }
+
+  int64_t H_, KVH_, D_;
+  double eps_, scaling_;
+  at::Tensor cos_, sin_, final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace radixlm_decoder
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<radixlm_decoder::Decoder>(m, "Decoder")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>(),
+           "Decoder(num_heads, num_kv_heads, head_dim, eps, scaling, cos_cache, sin_cache, final_norm)")
+      .def("add_layer", &radixlm_decoder::Decoder::add_layer,
+           "add_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, gate_up, down, k_cache, v_cache); "
+           "each linear is (weight, bias|None, out_features, packed)")
+      .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
+           "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
+      .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);
+#ifdef RADIXLM_WITH_GEMM
+  m.attr("with_gemm") = true;
+#else
+  m.attr("with_gemm") = false;
+#endif
+}

@@ -1,0 +1,133 @@
+// bf16 linear layers on CPUs with AVX512-BF16: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+//
+// The weight is packed once into blocks of 64 output rows, each stored k-pair by k-pair:
+//
+//     packed[b][p][j][t] = w[64 b + j][2 p + t]        b < ceil(N / 64), p < K / 2, j < 64, t < 2
+//
+// (rows past N are zero). One 64-byte vector then holds the pairs (k, k+1) of 16 output rows,
+// which is what vdpbf16ps multiplies against a broadcast pair of x: each lane adds
+// x[k] w[n, k] + x[k+1] w[n, k+1] into an fp32 sum, with no horizontal reduction at the end.
+// A block is one contiguous stream of K * 128 bytes, so a thread reads its share of the weight as
+// a few long sequential runs, which is what the hardware prefetchers handle best. At batch 1 this
+// reads the weight at close to the machine's read bandwidth when the pages are 2 MiB (see
+// runtime/layers/packed_linear.py); oneDNN's packed matmul reached about half of it here.
+//
+// Each thread takes a contiguous range of blocks; within a block, rows of x go 4 at a time (16
+// accumulators) over the whole K, so every weight byte is loaded once per 4 rows and stays in L1/L2
+// between the row tiles. Rows are handled in chunks of kRowChunk so that the chunk of x stays in
+// cache for large prefills. The sums are fp32 in k order; the bias is added in fp32 and the result
+// rounded to bf16 once (nearest even), as oneDNN's bf16 matmul does. Its outputs equal F.linear's
+// for most shapes; where oneDNN splits K differently they differ by rounding.
+#pragma once
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace radixlm_gemm {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kBlock = 64;        // output rows per packed block (4 vectors of 16 lanes)
+constexpr int64_t kRowChunk = 256;    // rows of x per pass over the weight
+
+int64_t packed_numel(int64_t n, int64_t k) { return (n + kBlock - 1) / kBlock * kBlock * k; }
+
+// w [N, K] bf16 contiguous -> out (packed_numel(N, K) bf16, contiguous), in the layout above.
+void pack(const at::Tensor& w, at::Tensor& out) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "gemm pack: w must be a contiguous 2-D bf16 tensor");
+  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, blocks = (N + kBlock - 1) / kBlock;
+  TORCH_CHECK(K % 2 == 0, "gemm pack: the input size must be even, got ", K);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.numel() == packed_numel(N, K),
+              "gemm pack: out must be a contiguous bf16 tensor of ", packed_numel(N, K), " elements");
+  // a (k, k+1) pair of bf16 is moved as one 32-bit word
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<bf16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<bf16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t p = 0; p < K2; ++p)
+        for (int64_t j = 0; j < kBlock; ++j) {
+          const int64_t n = b * kBlock + j;
+          dst[(b * K2 + p) * kBlock + j] = n < N ? src[n * K2 + p] : 0u;
+        }
+  });
+}
+
+// Rows [0, MR) of x against packed block `wb` (output rows n0 .. n0 + 63).
+template <int MR>
+inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
+                 const bf16* bias, bf16* out, int64_t ldo) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    const bf16* w = wb + p * kBlock * 2;
+    __m512bh wv[4];
+    for (int i = 0; i < 4; ++i) wv[i] = (__m512bh)_mm512_loadu_si512(w + 32 * i);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_dpbf16_ps(acc[m][i], xv, wv[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    const int64_t n = n0 + 16 * i;
+    if (n >= N) break;
+    const __mmask16 mask = (__mmask16)((1u << std::min<int64_t>(16, N - n)) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr)   // bf16 -> fp32 is a 16-bit shift
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n)), 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[m][i], b) : acc[m][i];
+      _mm256_mask_storeu_epi16(out + m * ldo + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+// x [M, K] bf16 (last dim contiguous, any row stride), packed from pack(), bias [N] bf16 or None
+// -> [M, N] bf16.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "gemm linear: x must be 2-D bf16 with a contiguous last dim");
+  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, blocks = (N + kBlock - 1) / kBlock;
+  TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.numel() == packed_numel(N, K),
+              "gemm linear: the packed weight does not match x's ", K, " features and ", N, " outputs");
+  const bf16* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "gemm linear: bias must be a contiguous bf16 [N]");
+    bp = bias->data_ptr<bf16>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0);
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = (blocks + threads - 1) / threads;   // one contiguous range per thread
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const bf16* wb = wp + b * K2 * kBlock * 2;
+        const int64_t n0 = b * kBlock;
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) tile<4>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N);
+        switch (m1 - m) {
+          case 1: tile<1>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
+          case 2: tile<2>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
+          case 3: tile<3>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
+          default: break;
+        }
+      }
+    });
+  }
+  return out;
+}
+
+}  // namespace radixlm_gemm

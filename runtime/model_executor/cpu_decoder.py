@@ -1,0 +1,117 @@
+"""CpuDecoder: a CPU decode step's decoder layers in one C++ call (kernels/cpu_decoder).
+
+    decoder = CpuDecoder.create(model, kv_cache, attn_backend, server_args)   # None if it does not apply
+    hidden = decoder(fb)              # a DECODE batch: final-normed hidden [bs, hidden]
+
+The Python forward of runtime/models/llama.py calls about ten small ops per layer, each through a
+module call and torch's Python bindings. At batch 1 on a small model those calls cost as much as
+the matmuls (SmolLM2-135M: about 5 ms of a 15 ms step). The C++ decoder runs the same kernels in
+the same order with the same arguments, so its output equals the Python forward's to the bit
+(tests/unit/test_cpu_decoder.py); it only drops the per-op Python work. This is radixlm's CPU
+counterpart of SGLang's decode CUDA graphs. `--disable-cpu-decoder` turns it off (prefill always
+runs the Python forward).
+
+It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
+fp32 or bf16, when the fused ops and the attention kernels are loaded, every linear weight is
+either plain or in the AVX512-BF16 gemm layout, and torch.compile is off. `create` logs why not
+otherwise, and the Python forward runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from radixlm.kernels import cpu_ops
+from radixlm.kernels.cpu_decoder import load_cpu_decoder
+from radixlm.runtime.layers.packed_linear import GemmWeight
+from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuDecoder:
+    def __init__(self, model: nn.Module, impl: object, embed: nn.Module):
+        self.model = model
+        self.impl = impl
+        self.embed = embed
+
+    @classmethod
+    def create(cls, model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> CpuDecoder | None:
+        """The decoder for `model`, or None (logged) when this model or setting cannot use it.
+        Side effects: may build the extension (logged); holds references to the weights and K/V buffers."""
+        reason = _unsupported_reason(model, kv_cache, attn_backend, tp_size)
+        if reason is None and load_cpu_decoder() is None:
+            reason = "the C++ extension is disabled or did not build"
+        if reason is not None:
+            logger.info("One-call CPU decoder off (%s); decode runs the Python forward", reason)
+            return None
+        inner = model.model
+        first = inner.layers[0].self_attn
+        rotary = first.rotary_emb
+        impl = load_cpu_decoder().Decoder(first.attn.num_heads, first.attn.num_kv_heads, first.head_dim,
+                                          inner.norm.eps, first.attn.scaling, rotary.cos_cache, rotary.sin_cache,
+                                          inner.norm.weight.detach())
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            impl.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                           None if attn.q_norm is None else attn.q_norm.weight.detach(),
+                           None if attn.k_norm is None else attn.k_norm.weight.detach(),
+                           _linear_args(attn.qkv_proj), _linear_args(attn.o_proj),
+                           _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
+                           kv_cache.k_buffer[i], kv_cache.v_buffer[i])
+        logger.info("One-call CPU decoder on: decode steps run the %d decoder layers in one C++ call",
+                    impl.num_layers)
+        return cls(model, impl, inner.embed_tokens)
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        """hidden [bs, hidden] for a DECODE batch; writes every layer's K/V at fb.out_cache_loc."""
+        meta = fb.attn_metadata          # the torch_native backend's kernel metadata (int64, contiguous)
+        return self.impl.forward(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
+                                 fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens)
+
+
+def _linear_args(layer: nn.Module) -> tuple:
+    packed = layer.packed_weight
+    bias = None if layer.bias is None else layer.bias.detach()
+    if isinstance(packed, GemmWeight):
+        return packed.data, bias, packed.out_features, True
+    return layer.weight.detach(), bias, layer.weight.shape[0], False
+
+
+def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> str | None:
+    from radixlm.runtime.layers.attention.torch_native import TorchNativeAttnBackend
+    from radixlm.runtime.models.llama import LlamaModel
+
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel) or not len(inner.layers):
+        return f"{type(model).__name__} is not a Llama-family model"
+    if tp_size != 1:
+        return "tensor parallelism"
+    if not isinstance(attn_backend, TorchNativeAttnBackend) or attn_backend.kernels is None:
+        return "the CPU attention kernels are not in use"
+    if not cpu_ops.enabled():
+        return "the fused CPU ops are not in use"
+    weight = inner.norm.weight
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES:
+        return f"{weight.dtype} on {weight.device.type}"
+    if kv_cache.dtype != weight.dtype:
+        return f"KV cache dtype {kv_cache.dtype} differs from the model's {weight.dtype}"
+    first = inner.layers[0].self_attn
+    if first.head_dim not in (16, 32, 64, 128, 256) or first.attn.num_heads % first.attn.num_kv_heads \
+            or first.attn.num_heads // first.attn.num_kv_heads > 16:
+        return "head shape the attention kernel does not take"
+    if first.rotary_emb.cos_cache.dtype != torch.float32:
+        return "rotary cache not fp32"
+    for layer in inner.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            if linear.packed_weight is not None and not isinstance(linear.packed_weight, GemmWeight):
+                return "linear weights in oneDNN's packed layout"
+            if linear.packed_weight is None and linear.weight.dtype != weight.dtype:
+                return "mixed weight dtypes"
+    return None
