@@ -5,8 +5,8 @@
     dec.add_layer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache)
     hidden = dec.forward(embeddings, positions, out_cache_loc, req_to_token, rows, seq_lens)
 
-Each linear is a tuple (weight, bias or None, out_features, packed): `packed` says the weight is in
-kernels/cpu_gemm's layout, else it is a dense [out, in] weight. decoder.cpp has the layer sequence;
+Each linear is a tuple (weight, bias or None, out_features, kind): kind 0 is a dense [out, in]
+weight (at::linear), 1 kernels/cpu_gemm's layout, 2 oneDNN's packed layout (mkldnn::_linear_pointwise). decoder.cpp has the layer sequence;
 it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
 with the flags those extensions use, so it computes what they compute. The model side (which
 models and settings it takes) is runtime/model_executor/cpu_decoder.py.

@@ -18,8 +18,9 @@
 //     h, residual = add_rms_norm(h, residual)
 //     h = down_proj(silu_and_mul(gate_up_proj(h)))
 //
-// and after the last layer h = add_rms_norm(h, residual). A linear is either radixlm's AVX512-BF16
-// gemm on a packed weight or at::linear on a dense one (what F.linear calls). A bias of a
+// and after the last layer h = add_rms_norm(h, residual). A linear is radixlm's AVX512-BF16 gemm on
+// a weight in its layout, oneDNN's packed matmul (mkldnn::_linear_pointwise, CPUs without
+// AVX512-BF16) or at::linear on a dense weight, as runtime/layers/packed_linear.py calls them. A bias of a
 // row-parallel layer (o_proj, down_proj) is added after the matmul, rounded separately, as
 // RowParallelLinear does. One process, one tensor-parallel rank: no all-reduce.
 #include <torch/extension.h>
@@ -36,24 +37,36 @@
 
 namespace radixlm_decoder {
 
+enum LinearKind : int64_t { kDense = 0, kGemm = 1, kOneDnn = 2 };
+
+// oneDNN's matmul on a weight packed by torch.ops.mkldnn._reorder_linear_weight
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<c10::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
 struct Linear {
-  at::Tensor weight;      // packed gemm layout when `packed`, else dense [out, in]
+  at::Tensor weight;      // in the layout `kind` names (dense: [out, in])
   at::Tensor bias;        // undefined when there is none
   int64_t out_features = 0;
-  bool packed = false;
+  int64_t kind = kDense;
   bool bias_after = false;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    const bool fused_bias = bias.defined() && !bias_after;
+    const c10::optional<at::Tensor> b = bias.defined() && !bias_after ? c10::optional<at::Tensor>(bias) : c10::nullopt;
     at::Tensor y;
-    if (packed) {
+    if (kind == kGemm) {
 #ifdef RADIXLM_WITH_GEMM
-      y = radixlm_gemm::linear(x, weight, out_features, fused_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt);
-#else
-      TORCH_CHECK(false, "cpu_decoder: built without the gemm kernel");
+      y = radixlm_gemm::linear(x, weight, out_features, b);
 #endif
+    } else if (kind == kOneDnn) {
+      y = onednn_linear(x, weight, b);
     } else {
-      y = at::linear(x, weight, fused_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+      y = at::linear(x, weight, b);
     }
     return bias.defined() && bias_after ? at::add(y, bias) : y;
   }
@@ -65,17 +78,18 @@ struct Layer {
   at::Tensor k_cache, v_cache;                        // [slots, KVH, D]
 };
 
-using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, bool>;  // weight, bias, out, packed
+using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>;  // weight, bias, out, kind
 
 Linear make_linear(const LinearArgs& a, bool bias_after) {
   Linear l;
   l.weight = std::get<0>(a);
   if (std::get<1>(a).has_value()) l.bias = *std::get<1>(a);
   l.out_features = std::get<2>(a);
-  l.packed = std::get<3>(a);
+  l.kind = std::get<3>(a);
   l.bias_after = bias_after;
+  TORCH_CHECK(l.kind == kDense || l.kind == kGemm || l.kind == kOneDnn, "cpu_decoder: unknown linear kind ", l.kind);
 #ifndef RADIXLM_WITH_GEMM
-  TORCH_CHECK(!l.packed, "cpu_decoder: built without the gemm kernel, so packed weights are not supported");
+  TORCH_CHECK(l.kind != kGemm, "cpu_decoder: built without the gemm kernel, so its layout is not supported");
 #endif
   return l;
 }
@@ -197,7 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Decoder(num_heads, num_kv_heads, head_dim, eps, scaling, cos_cache, sin_cache, final_norm)")
       .def("add_layer", &radixlm_decoder::Decoder::add_layer,
            "add_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, gate_up, down, k_cache, v_cache); "
-           "each linear is (weight, bias|None, out_features, packed)")
+           "each linear is (weight, bias|None, out_features, kind: 0 dense, 1 gemm layout, 2 oneDNN packed)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);

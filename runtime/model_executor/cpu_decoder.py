@@ -12,8 +12,8 @@ counterpart of SGLang's decode CUDA graphs. `--disable-cpu-decoder` turns it off
 runs the Python forward).
 
 It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
-fp32 or bf16, when the fused ops and the attention kernels are loaded, every linear weight is
-either plain or in the AVX512-BF16 gemm layout, and torch.compile is off. `create` logs why not
+fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
+linear weights may be plain, in the AVX512-BF16 gemm layout or in oneDNN's packed layout. `create` logs why not
 otherwise, and the Python forward runs.
 """
 
@@ -75,12 +75,17 @@ class CpuDecoder:
                                  fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens)
 
 
+DENSE, GEMM, ONEDNN = 0, 1, 2       # the weight layouts decoder.cpp takes (packed_linear.py makes them)
+
+
 def _linear_args(layer: nn.Module) -> tuple:
     packed = layer.packed_weight
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(packed, GemmWeight):
-        return packed.data, bias, packed.out_features, True
-    return layer.weight.detach(), bias, layer.weight.shape[0], False
+        return packed.data, bias, packed.out_features, GEMM
+    if packed is not None:
+        return packed, bias, packed.shape[0], ONEDNN           # an opaque oneDNN tensor, [out, in] sizes
+    return layer.weight.detach(), bias, layer.weight.shape[0], DENSE
 
 
 def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> str | None:
@@ -110,8 +115,6 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     for layer in inner.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
-            if linear.packed_weight is not None and not isinstance(linear.packed_weight, GemmWeight):
-                return "linear weights in oneDNN's packed layout"
             if linear.packed_weight is None and linear.weight.dtype != weight.dtype:
                 return "mixed weight dtypes"
     return None

@@ -2,7 +2,8 @@
 exactly what the Python forward computes: the same hidden states and the same K/V writes, bit for
 bit, on the tiny Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k norms) in fp32 (dense weights,
 at::linear) and bf16 (the packed AVX512-BF16 gemm layout where the CPU has it), over a ragged batch
-whose requests sit at different lengths and in scattered KV slots. Greedy agreement with HF goes
+whose requests sit at different lengths and in scattered KV slots; and in bf16 with the weights in
+oneDNN's packed layout (CPUs without AVX512-BF16). Greedy agreement with HF goes
 through the scheduler tests (test_models_vs_hf), which run this decoder by default."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from radixlm.kernels.cpu_decoder import load_cpu_decoder
+from radixlm.runtime.layers import packed_linear
 from radixlm.runtime.mem_cache.kv_manager import KVManager
 from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
 from radixlm.runtime.model_executor.cpu_decoder import CpuDecoder
@@ -61,9 +63,16 @@ def _prefilled_batch(runner: ModelRunner, lengths: list[int]):
     return kv, reqs, next_ids
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str) -> None:
-    runner = _runner(tiny_model_path, dtype)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-onednn"])
+def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16-onednn: the weights in oneDNN's packed layout, as on CPUs without AVX512-BF16."""
+    onednn = dtype == "bfloat16-onednn"
+    if onednn:
+        monkeypatch.setattr(packed_linear, "load_cpu_gemm", lambda: None)
+    runner = _runner(tiny_model_path, "bfloat16" if onednn else dtype)
+    if onednn:
+        packed = runner.model.model.layers[0].mlp.down_proj.packed_weight
+        assert packed is not None and not isinstance(packed, packed_linear.GemmWeight)
     decoder = runner.decode_forward
     assert isinstance(decoder, CpuDecoder)
     python_forward = CompiledDecode(runner.model, False)
