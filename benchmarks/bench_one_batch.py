@@ -83,8 +83,8 @@ def measure_bandwidth(num_bytes: int = 256 << 20, hidden: int = 896, dtype: torc
 
 # ----------------------------------------------------------------- one batch
 class CopyProbe:
-    """Times two copies of a 64 MiB buffer in 2 MiB pages: the read+write bandwidth at this moment
-    (the faster copy, so that one preempted copy does not count)."""
+    """Times a 64 MiB copy in 2 MiB pages: the read+write bandwidth at this moment (best of two
+    after a warm-up copy, so that one preempted copy does not count)."""
 
     def __init__(self, num_bytes: int = 64 << 20):
         from radixlm.runtime.mem_cache.huge_pages import huge_page_empty
@@ -94,12 +94,7 @@ class CopyProbe:
         self.dst = huge_page_empty(num_bytes // 4, torch.float32).fill_(0.0)
 
     def __call__(self) -> float:
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            self.dst.copy_(self.src)
-            best = min(best, time.perf_counter() - t0)
-        return 2 * self.num_bytes / best / 1e9
+        return 2 * self.num_bytes / _best_time(lambda: self.dst.copy_(self.src), 2) / 1e9
 
 
 def run_batch(runner: Any, batch_size: int, input_len: int, decode_steps: int, seed: int,

@@ -81,8 +81,9 @@ def ensure_tiny_models() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, str]:
-    # Build the CPU kernels (attention, fused ops, gemm, the one-call decoder) here, once, so a server under test never spends
-    # its readiness timeout compiling them (a no-op when cached; None if they cannot build).
+    # Build the CPU kernels (attention, fused ops, gemm, the one-call decoder) here, once, so a server
+    # under test never spends its readiness timeout compiling them (a no-op when cached; None if they
+    # cannot build).
     from radixlm.kernels.cpu_attention import load_cpu_attention
     from radixlm.kernels.cpu_decoder import load_cpu_decoder
     from radixlm.kernels.cpu_gemm import load_cpu_gemm

@@ -6,8 +6,8 @@
     hidden = dec.forward(embeddings, positions, out_cache_loc, req_to_token, rows, seq_lens)
 
 Each linear is a tuple (weight, bias or None, out_features, kind): kind 0 is a dense [out, in]
-weight (at::linear), 1 kernels/cpu_gemm's layout, 2 oneDNN's packed layout (mkldnn::_linear_pointwise). decoder.cpp has the layer sequence;
-it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
+weight (at::linear), 1 kernels/cpu_gemm's layout, 2 oneDNN's packed layout
+(mkldnn::_linear_pointwise). decoder.cpp has the layer sequence; it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
 with the flags those extensions use, so it computes what they compute. The model side (which
 models and settings it takes) is runtime/model_executor/cpu_decoder.py.
 
@@ -20,7 +20,7 @@ import functools
 from pathlib import Path
 
 from radixlm.kernels.cpu_build import env_flag, load_extension, pick_isa
-from radixlm.kernels.cpu_gemm import cpu_supports_gemm
+from radixlm.kernels.cpu_gemm import GEMM_FLAGS, gemm_enabled
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",
@@ -32,8 +32,6 @@ def load_cpu_decoder():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
     if env_flag("RADIXLM_DISABLE_CPU_DECODER"):
         return None
-    isa = pick_isa()
-    gemm = isa == "avx512" and cpu_supports_gemm() and not env_flag("RADIXLM_DISABLE_CPU_GEMM")
-    flags = ("-mavx512bf16", "-DRADIXLM_WITH_GEMM") if gemm else ()
-    return load_extension("cpu_decoder", "one-call CPU decoder", isa, [Path(__file__).parent / "decoder.cpp"],
+    flags = (*GEMM_FLAGS, "-DRADIXLM_WITH_GEMM") if gemm_enabled() else ()
+    return load_extension("cpu_decoder", "one-call CPU decoder", pick_isa(), [Path(__file__).parent / "decoder.cpp"],
                           _HEADERS, extra_flags=flags)

@@ -143,6 +143,7 @@ class Decoder {
   at::Tensor forward(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens) {
     const int64_t bs = hidden.size(0);
+    TORCH_CHECK(!layers_.empty(), "cpu_decoder: no layers added");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu_decoder: hidden must be contiguous [bs, hidden]");
     for (const at::Tensor* t : {&positions, &out_cache_loc, &rows, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == bs,
@@ -178,11 +179,6 @@ class Decoder {
       at::Tensor act = at::empty({bs, gate_up.size(1) / 2}, h.options());
       radixlm_ops::silu_and_mul(act, gate_up);
       h = L.down(act);
-    }
-    if (layers_.empty()) {
-      at::Tensor out = at::empty_like(h);
-      radixlm_ops::rms_norm(out, h, final_norm_, eps_);
-      return out;
     }
     radixlm_ops::fused_add_rms_norm(h, residual, final_norm_, eps_);
     return h;

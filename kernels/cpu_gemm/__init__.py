@@ -27,10 +27,18 @@ def cpu_supports_gemm(flags: set[str] | None = None) -> bool:
     return pick_isa(flags) == "avx512" and "avx512_bf16" in flags
 
 
+GEMM_FLAGS = ("-mavx512bf16",)   # added to the avx512 flags of every library that compiles gemm.h
+
+
+def gemm_enabled() -> bool:
+    """This CPU runs the kernel and RADIXLM_DISABLE_CPU_GEMM is not set."""
+    return not env_flag("RADIXLM_DISABLE_CPU_GEMM") and cpu_supports_gemm()
+
+
 @functools.cache
 def load_cpu_gemm():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
-    if env_flag("RADIXLM_DISABLE_CPU_GEMM") or not cpu_supports_gemm():
+    if not gemm_enabled():
         return None
     return load_extension("cpu_gemm", "bf16 GEMM kernel", "avx512", [_SRC_DIR / "gemm.cpp"], [_SRC_DIR / "gemm.h"],
-                          extra_flags=("-mavx512bf16",))
+                          extra_flags=GEMM_FLAGS)

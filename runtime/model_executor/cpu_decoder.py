@@ -1,6 +1,6 @@
 """CpuDecoder: a CPU decode step's decoder layers in one C++ call (kernels/cpu_decoder).
 
-    decoder = CpuDecoder.create(model, kv_cache, attn_backend, server_args)   # None if it does not apply
+    decoder = CpuDecoder.create(model, kv_cache, attn_backend, tp_size)   # None if it does not apply
     hidden = decoder(fb)              # a DECODE batch: final-normed hidden [bs, hidden]
 
 The Python forward of runtime/models/llama.py calls about ten small ops per layer, each through a
@@ -13,8 +13,8 @@ runs the Python forward).
 
 It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
 fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
-linear weights may be plain, in the AVX512-BF16 gemm layout or in oneDNN's packed layout. `create` logs why not
-otherwise, and the Python forward runs.
+linear weights may be plain, in the AVX512-BF16 gemm layout or in oneDNN's packed layout.
+`create` logs why not otherwise, and the Python forward runs.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuDecoder:
-    def __init__(self, model: nn.Module, impl: object, embed: nn.Module):
-        self.model = model
-        self.impl = impl
+    def __init__(self, impl: object, embed: nn.Module):
+        self.impl = impl            # the extension's Decoder (holds the weights and K/V buffers)
         self.embed = embed
 
     @classmethod
@@ -66,7 +65,7 @@ class CpuDecoder:
                            kv_cache.k_buffer[i], kv_cache.v_buffer[i])
         logger.info("One-call CPU decoder on: decode steps run the %d decoder layers in one C++ call",
                     impl.num_layers)
-        return cls(model, impl, inner.embed_tokens)
+        return cls(impl, inner.embed_tokens)
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [bs, hidden] for a DECODE batch; writes every layer's K/V at fb.out_cache_loc."""
@@ -107,8 +106,7 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     if kv_cache.dtype != weight.dtype:
         return f"KV cache dtype {kv_cache.dtype} differs from the model's {weight.dtype}"
     first = inner.layers[0].self_attn
-    if first.head_dim not in (16, 32, 64, 128, 256) or first.attn.num_heads % first.attn.num_kv_heads \
-            or first.attn.num_heads // first.attn.num_kv_heads > 16:
+    if not TorchNativeAttnBackend.kernel_takes(first.attn, weight.dtype, kv_cache.dtype):
         return "head shape the attention kernel does not take"
     if first.rotary_emb.cos_cache.dtype != torch.float32:
         return "rotary cache not fp32"

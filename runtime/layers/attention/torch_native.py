@@ -125,10 +125,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         return self._attend_torch(q, k_buf, v_buf, layer, meta)
 
     @staticmethod
-    def _kernel_fits(q: torch.Tensor, k_buf: torch.Tensor, layer: RadixAttention) -> bool:
-        D, group = layer.head_dim, layer.num_heads // layer.num_kv_heads
-        return (q.dtype in _KERNEL_DTYPES and k_buf.dtype in _KERNEL_DTYPES and D in (16, 32, 64, 128, 256)
-                and layer.num_heads % layer.num_kv_heads == 0 and group <= 16 and q.stride(2) == 1)
+    def kernel_takes(layer: RadixAttention, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether the C++ kernels take this layer's head shape and these dtypes."""
+        return (q_dtype in _KERNEL_DTYPES and kv_dtype in _KERNEL_DTYPES and layer.head_dim in (16, 32, 64, 128, 256)
+                and layer.num_heads % layer.num_kv_heads == 0 and layer.num_heads // layer.num_kv_heads <= 16)
+
+    @classmethod
+    def _kernel_fits(cls, q: torch.Tensor, k_buf: torch.Tensor, layer: RadixAttention) -> bool:
+        return q.stride(2) == 1 and cls.kernel_takes(layer, q.dtype, k_buf.dtype)
 
     def _attend_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, meta: _KernelMeta) -> torch.Tensor:
