@@ -22,10 +22,14 @@ from tests.server_fixtures import ServerProcess, metric_values, start_server, wa
 ONE_THREAD = {"RADIXLM_NUM_THREADS": "1"}
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, SEND_TIMEOUT_S = 2, 2, 3
 MAX_CONNECTIONS = 48
+# Well under what one non-reading stream produces after the kernel's socket buffers fill (240 tokens
+# with 20 top logprobs: about 200 kB): with 64 kB a fast server could finish the request before that
+# much waited unread, and the stream was then dropped by the send timeout instead of the budget.
+STREAM_BUFFER_BYTES = 16384
 SLACK_S = 20          # a loaded 2-core machine: how late a timeout may fire before the test fails
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "256", "--max-total-tokens", "4096",
          "--http-header-timeout", str(HEADER_TIMEOUT_S), "--http-body-timeout", str(BODY_TIMEOUT_S),
-         "--http-send-timeout", str(SEND_TIMEOUT_S), "--max-stream-buffer-bytes", "65536",
+         "--http-send-timeout", str(SEND_TIMEOUT_S), "--max-stream-buffer-bytes", str(STREAM_BUFFER_BYTES),
          "--max-connections", str(MAX_CONNECTIONS))
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
