@@ -14,18 +14,18 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from radixlm.frontend_lang.backend.base import resolve_backend, set_default_backend
-from radixlm.frontend_lang.backend.openai import OpenAI
-from radixlm.frontend_lang.backend.runtime import Runtime
-from radixlm.frontend_lang.backend.runtime_endpoint import RuntimeEndpoint
-from radixlm.frontend_lang.choices import (
+from .backend.base import resolve_backend, set_default_backend
+from .backend.openai import OpenAI
+from .backend.runtime import Runtime
+from .backend.runtime_endpoint import RuntimeEndpoint
+from .choices import (
     ChoicesSamplingMethod,
     greedy_token_selection,
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
-from radixlm.frontend_lang.function import SglFunction
-from radixlm.frontend_lang.ir import (
+from .function import SglFunction
+from .ir import (
     SglExpr,
     SglExprList,
     SglGen,
@@ -103,7 +103,7 @@ def separate_reasoning(expr: SglExpr, model_type: str = "qwen3") -> SglExpr:
     """Splits the output of the named `gen` in `expr`: `s[name]` gets the content and
     `s[name + "_reasoning_content"]` the reasoning (model_type: a --reasoning-parser name such as
     qwen3 or deepseek-r1). The prompt text keeps the output as generated."""
-    from radixlm.runtime.parsers import get_reasoning_parser
+    from ..runtime.parsers import get_reasoning_parser
 
     get_reasoning_parser(model_type)   # ValueError naming the choices
     items = list(leaves(to_expr(expr)))

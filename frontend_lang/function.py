@@ -6,12 +6,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from radixlm.frontend_lang.backend.base import BaseBackend, default_backend_or_none, resolve_backend
-from radixlm.frontend_lang.chat_template import ChatTemplate, get_chat_template
-from radixlm.frontend_lang.interpreter import run_program, run_program_batch
-from radixlm.frontend_lang.ir import default_sampling_params
-from radixlm.frontend_lang.lint import warn_once
-from radixlm.frontend_lang.tracer import (
+from .backend.base import BaseBackend, default_backend_or_none, resolve_backend
+from .chat_template import ChatTemplate, get_chat_template
+from .interpreter import run_program, run_program_batch
+from .ir import default_sampling_params
+from .lint import warn_once
+from .tracer import (
     TraceResult,
     batch_shared_prefix,
     placeholder_arguments,

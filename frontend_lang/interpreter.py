@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from radixlm.frontend_lang.backend.base import BaseBackend
-from radixlm.frontend_lang.chat_template import ChatTemplate
-from radixlm.frontend_lang.ir import (
+from .backend.base import BaseBackend
+from .chat_template import ChatTemplate
+from .ir import (
     SglConstantText,
     SglExpr,
     SglGen,
@@ -267,7 +267,7 @@ class StreamExecutor(PromptBuilder):
             self.variable_event[expr.name].set()
 
     def _separate_reasoning(self, expr: SglGen) -> None:
-        from radixlm.runtime.parsers import get_reasoning_parser
+        from ..runtime.parsers import get_reasoning_parser
 
         parser = get_reasoning_parser(expr.reasoning_model_type or "")
         value = self.variables[expr.name]
@@ -307,7 +307,7 @@ def run_program(func: Callable[..., Any], backend: BaseBackend, args: tuple, kwa
                 default_params: SglSamplingParams, stream: bool = False, raise_errors: bool = True) -> Any:
     """Runs one program. Not streaming: returns after every request finished (and raises the first
     backend error). Streaming: returns at once; read the state with text_iter()."""
-    from radixlm.frontend_lang.state import ProgramState
+    from .state import ProgramState
 
     executor = StreamExecutor(backend, default_params, stream=stream)
     state = ProgramState(executor)

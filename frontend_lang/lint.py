@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from radixlm.frontend_lang.tracer import Segment, TraceResult
+from .tracer import Segment, TraceResult
 
 # A constant run at least this long (in characters, about 64 tokens) behind argument text is worth
 # reordering for. Chat-template markup counts as constant text.

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from radixlm.frontend_lang.interpreter import StreamExecutor
-from radixlm.frontend_lang.ir import (
+from .interpreter import StreamExecutor
+from .ir import (
     SglExpr,
     SglRoleBegin,
     SglRoleEnd,

@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from radixlm.frontend_lang.chat_template import ChatTemplate
-from radixlm.frontend_lang.interpreter import PromptBuilder
-from radixlm.frontend_lang.ir import SglExpr, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, leaves, to_expr
+from .chat_template import ChatTemplate
+from .interpreter import PromptBuilder
+from .ir import SglExpr, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, leaves, to_expr
 
 ARG_OPEN, GEN_OPEN, MARK_CLOSE = "\ue000", "\ue002", "\ue001"
 _MARKERS = (ARG_OPEN, GEN_OPEN, MARK_CLOSE)

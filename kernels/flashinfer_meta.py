@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixlm.runtime.utils import ceil_div
+from ..runtime.utils import ceil_div
 
 
 class PagedMeta(NamedTuple):

@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from radixlm.runtime.managers.io_struct import SchedulerStats
+from .managers.io_struct import SchedulerStats
 
 PREFIX = "radixlm:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.runtime.parsers.reasoning import REASONING_PARSERS
-from radixlm.runtime.parsers.tool_call import TOOL_CALL_PARSERS
+from .parsers.reasoning import REASONING_PARSERS
+from .parsers.tool_call import TOOL_CALL_PARSERS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
@@ -164,7 +164,7 @@ class ServerArgs:
     # ------------------------------------------------------------ derived
     def resolved(self) -> ServerArgs:
         """Fill in defaults that depend on the environment (model path, device, backend)."""
-        from radixlm.runtime.models.resolve import resolve_model_source
+        from .models.resolve import resolve_model_source
 
         source = resolve_model_source(self.model_path or default_model_path(), self.load_format)
         model_path = source.model_path
@@ -177,7 +177,7 @@ class ServerArgs:
         backend = self.attention_backend or ("flashinfer" if device == "cuda" else "torch_native")
         dist_addr = self.dist_init_addr
         if dist_addr is None and self.tp_size > 1:
-            from radixlm.runtime.utils import free_port
+            from .utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
         chunk, prefill = PREFILL_DEFAULTS["cuda" if device == "cuda" else "cpu"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from radixlm.frontend_lang.chat_template import ChatTemplate, get_chat_template
-from radixlm.frontend_lang.choices import ChoicesDecision, ChoicesSamplingMethod
-from radixlm.frontend_lang.ir import SglSamplingParams
+from ..chat_template import ChatTemplate, get_chat_template
+from ..choices import ChoicesDecision, ChoicesSamplingMethod
+from ..ir import SglSamplingParams
 
 
 class BackendError(RuntimeError):

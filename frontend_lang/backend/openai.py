@@ -22,10 +22,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm.frontend_lang.backend.base import BackendError, BaseBackend, PromptState
-from radixlm.frontend_lang.chat_template import ChatTemplate, get_chat_template
-from radixlm.frontend_lang.choices import ChoicesDecision, ChoicesSamplingMethod
-from radixlm.frontend_lang.ir import SglSamplingParams
+from ..chat_template import ChatTemplate, get_chat_template
+from ..choices import ChoicesDecision, ChoicesSamplingMethod
+from ..ir import SglSamplingParams
+from .base import BackendError, BaseBackend, PromptState
 
 
 class OpenAI(BaseBackend):

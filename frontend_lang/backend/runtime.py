@@ -17,14 +17,15 @@ import atexit
 import json
 from typing import Any
 
-from radixlm.frontend_lang.backend.runtime_endpoint import RuntimeEndpoint
 from radixlm.testing.server import ServerProcess, free_port, launch_server_process, server_cli_args
+
+from .runtime_endpoint import RuntimeEndpoint
 
 
 class Runtime:
     def __init__(self, model_path: str | None = None, log_level: str = "error", launch_timeout: float = 300.0,
                  api_key: str | None = None, **server_args: Any) -> None:
-        from radixlm.runtime.server_args import ServerArgs
+        from ...runtime.server_args import ServerArgs
 
         host = server_args.pop("host", "127.0.0.1")
         port = server_args.pop("port", None) or free_port(host)

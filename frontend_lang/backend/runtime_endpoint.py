@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 
-from radixlm.frontend_lang.backend.base import BackendError, BaseBackend, PromptState
-from radixlm.frontend_lang.chat_template import detect_chat_template, get_chat_template
-from radixlm.frontend_lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide, mean_logprob
-from radixlm.frontend_lang.ir import SglSamplingParams
+from ..chat_template import detect_chat_template, get_chat_template
+from ..choices import ChoicesDecision, ChoicesSamplingMethod, decide, mean_logprob
+from ..ir import SglSamplingParams
+from .base import BackendError, BaseBackend, PromptState
 
 # select asks for logprobs from this many tokens before the prompt's end, so that a choice whose
 # first token merges with the prompt's last token(s) is still scored over all its tokens.

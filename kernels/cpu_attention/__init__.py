@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from radixlm.kernels.cpu_build import cpu_flags, kernels_disabled, load_extension, pick_isa
+from ..cpu_build import cpu_flags, kernels_disabled, load_extension, pick_isa
 
 __all__ = ["cpu_flags", "kernels_disabled", "load_cpu_attention", "pick_isa"]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from radixlm.kernels.cpu_build import env_flag, load_extension, pick_isa
-from radixlm.kernels.cpu_gemm import GEMM_FLAGS, gemm_enabled
+from ..cpu_build import env_flag, load_extension, pick_isa
+from ..cpu_gemm import GEMM_FLAGS, gemm_enabled
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",

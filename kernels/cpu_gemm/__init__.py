@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from radixlm.kernels.cpu_build import cpu_flags, env_flag, load_extension, pick_isa
+from ..cpu_build import cpu_flags, env_flag, load_extension, pick_isa
 
 _SRC_DIR = Path(__file__).parent
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from radixlm.kernels.cpu_build import env_flag, load_extension
+from ..cpu_build import env_flag, load_extension
 
 _SRC_DIR = Path(__file__).parent
 _SIMD_H = _SRC_DIR.parent / "cpu_attention" / "simd.h"

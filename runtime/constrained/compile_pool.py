@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from radixlm.runtime.constrained.compile_worker import memory_error_message
-from radixlm.runtime.constrained.engines import CompileResult, VocabSpec
-from radixlm.runtime.constrained.regex_rules import GrammarError
+from .compile_worker import memory_error_message
+from .engines import CompileResult, VocabSpec
+from .regex_rules import GrammarError
 
 logger = logging.getLogger(__name__)
 TICK_S = 0.05

@@ -24,13 +24,13 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from radixlm.runtime.constrained.engines import EngineSet, VocabSpec
-from radixlm.runtime.constrained.regex_rules import GrammarError
+from .engines import EngineSet, VocabSpec
+from .regex_rules import GrammarError
 
 
 def worker_main(conn: Any) -> None:
     """Process entry. Side effects: sets this process's RLIMIT_AS; exits when the pipe closes."""
-    from radixlm.runtime.utils import kill_self_with_parent
+    from ..utils import kill_self_with_parent
 
     kill_self_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)

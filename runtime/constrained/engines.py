@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.constrained.regex_rules import (
+from .regex_rules import (
     GrammarError,
     normalize_regex,
     one_line,
@@ -66,7 +66,7 @@ class EngineSet:
     # ------------------------------------------------------------ outlines-core
     def outlines_vocabulary(self) -> Any:
         if self._outlines_vocab is None:
-            from radixlm.runtime.constrained.vocabulary import vocabulary_from_table
+            from .vocabulary import vocabulary_from_table
 
             self._outlines_vocab = vocabulary_from_table(self.vocab.token_bytes, self.vocab.vocab_eos_id)
         return self._outlines_vocab

@@ -27,18 +27,18 @@ from typing import Any
 
 import outlines_core
 
-from radixlm.runtime.constrained.compile_pool import LOAD_DEADLINE_S, CompilePool
-from radixlm.runtime.constrained.engines import CompileResult, EngineSet, VocabSpec, engine_for
-from radixlm.runtime.constrained.grammar_matcher import GrammarMatcher
-from radixlm.runtime.constrained.jump_forward import ForcedTextFinder
-from radixlm.runtime.constrained.regex_rules import (
+from .compile_pool import LOAD_DEADLINE_S, CompilePool
+from .engines import CompileResult, EngineSet, VocabSpec, engine_for
+from .grammar_matcher import GrammarMatcher
+from .jump_forward import ForcedTextFinder
+from .regex_rules import (
     JSON_OBJECT_SCHEMA,
     GrammarError,
     any_json_object_regex,
     schema_to_regex,
 )
-from radixlm.runtime.constrained.vocabulary import token_bytes_table
-from radixlm.runtime.constrained.xgrammar_matcher import XGrammarCompiled
+from .vocabulary import token_bytes_table
+from .xgrammar_matcher import XGrammarCompiled
 
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 __all__ = ["JSON_OBJECT_SCHEMA", "CompiledGrammar", "GrammarBackend", "GrammarError", "any_json_object_regex",
@@ -209,7 +209,7 @@ class GrammarBackend:
         import xgrammar as xgr
 
         if self._xgr_info is None:
-            from radixlm.runtime.constrained.engines import xgrammar_tokenizer_info
+            from .engines import xgrammar_tokenizer_info
 
             self._xgr_info = xgrammar_tokenizer_info(self.vocab_spec)
         return XGrammarCompiled(compiled=xgr.CompiledGrammar.deserialize_json(res.payload, self._xgr_info),

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 import outlines_core
 import torch
 
-from radixlm.kernels.vocab_mask import allocate_vocab_mask, set_tokens_allowed, vocab_mask_to_bool
-from radixlm.runtime.constrained.jump_forward import retokenize_forced, valid_utf8_prefix
+from ...kernels.vocab_mask import allocate_vocab_mask, set_tokens_allowed, vocab_mask_to_bool
+from .jump_forward import retokenize_forced, valid_utf8_prefix
 
 if TYPE_CHECKING:
-    from radixlm.runtime.constrained.grammar_backend import CompiledGrammar
+    from .grammar_backend import CompiledGrammar
 
 CONTEXT_TOKENS = 8  # tokenizer context for jump_forward_tokens when the caller gives no prev_text
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from radixlm.kernels.vocab_mask import allocate_vocab_mask, vocab_mask_to_bool
-from radixlm.runtime.constrained.grammar_matcher import CONTEXT_TOKENS
-from radixlm.runtime.constrained.jump_forward import retokenize_forced
+from ...kernels.vocab_mask import allocate_vocab_mask, vocab_mask_to_bool
+from .grammar_matcher import CONTEXT_TOKENS
+from .jump_forward import retokenize_forced
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.entrypoints.chat_template import ChatPrompt
+from .chat_template import ChatPrompt
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class GeneratedHistory:
 
     def _table(self) -> list[bytes | None]:
         if self._token_bytes is None:
-            from radixlm.runtime.constrained.vocabulary import token_bytes_table
+            from ..constrained.vocabulary import token_bytes_table
 
             self._token_bytes = token_bytes_table(self.tokenizer, self.vocab_size)
         return self._token_bytes

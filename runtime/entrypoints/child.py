@@ -22,7 +22,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from radixlm.runtime.utils import kill_self_with_parent
+from ..utils import kill_self_with_parent
 
 
 def main(argv: list[str]) -> None:

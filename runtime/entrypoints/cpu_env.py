@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from radixlm.kernels.cpu_build import env_flag
-from radixlm.runtime.server_args import ServerArgs
+from ...kernels.cpu_build import env_flag
+from ..server_args import ServerArgs
 
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 SYSTEM_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib",

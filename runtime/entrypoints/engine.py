@@ -21,11 +21,11 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
-from radixlm.runtime.entrypoints.launch import Subprocesses, launch_subprocesses
-from radixlm.runtime.entrypoints.server_info import server_info
-from radixlm.runtime.managers.io_struct import FlushCacheOut, GenerateReqInput
-from radixlm.runtime.managers.tokenizer_manager import TokenizerManager
-from radixlm.runtime.server_args import ServerArgs
+from ..managers.io_struct import FlushCacheOut, GenerateReqInput
+from ..managers.tokenizer_manager import TokenizerManager
+from ..server_args import ServerArgs
+from .launch import Subprocesses, launch_subprocesses
+from .server_info import server_info
 
 logger = logging.getLogger(__name__)
 

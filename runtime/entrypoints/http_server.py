@@ -20,9 +20,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 import radixlm
-from radixlm.runtime.entrypoints.chat_template import JinjaChatTemplate, resolve_chat_template
-from radixlm.runtime.entrypoints.dashboard import add_dashboard_routes
-from radixlm.runtime.entrypoints.errors import (
+
+from ..managers.generate_fields import UnsupportedFieldError, check_extra_fields
+from ..managers.io_struct import GenerateReqInput
+from ..metrics import MetricsCollector
+from ..server_args import ServerArgs
+from .chat_template import JinjaChatTemplate, resolve_chat_template
+from .dashboard import add_dashboard_routes
+from .errors import (
     APIError,
     error_body,
     install_error_handlers,
@@ -30,21 +35,17 @@ from radixlm.runtime.entrypoints.errors import (
     raise_if_rejected,
     to_api_error,
 )
-from radixlm.runtime.entrypoints.middleware import GuardMiddleware, RequestLogMiddleware
-from radixlm.runtime.entrypoints.openai_api import OpenAIServing
-from radixlm.runtime.entrypoints.openai_format import DONE, SSEResponse, sse
-from radixlm.runtime.entrypoints.openai_protocol import (
+from .middleware import GuardMiddleware, RequestLogMiddleware
+from .openai_api import OpenAIServing
+from .openai_format import DONE, SSEResponse, sse
+from .openai_protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
 )
-from radixlm.runtime.entrypoints.server_info import health_generate, server_info
-from radixlm.runtime.entrypoints.tokenize_routes import add_tokenize_routes
-from radixlm.runtime.managers.generate_fields import UnsupportedFieldError, check_extra_fields
-from radixlm.runtime.managers.io_struct import GenerateReqInput
-from radixlm.runtime.metrics import MetricsCollector
-from radixlm.runtime.server_args import ServerArgs
+from .server_info import health_generate, server_info
+from .tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from radixlm.runtime.entrypoints.cpu_env import cpu_child_env
-from radixlm.runtime.managers.io_struct import ChildFailed, DetokenizerReady, SchedulerReady
-from radixlm.runtime.managers.ipc import PortArgs
-from radixlm.runtime.server_args import ServerArgs
+from ..managers.io_struct import ChildFailed, DetokenizerReady, SchedulerReady
+from ..managers.ipc import PortArgs
+from ..server_args import ServerArgs
+from .cpu_env import cpu_child_env
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
 
 def preflight(args: ServerArgs) -> None:
     """Cheap checks of the model before any child starts (reads config.json only)."""
-    from radixlm.runtime.models.model_config import ModelConfig
+    from ..models.model_config import ModelConfig
 
     config = ModelConfig.from_path(args.model_path, dtype=args.dtype, context_length=args.context_length)
     config.check_tp_size(args.tp_size)
@@ -204,7 +204,7 @@ def _replica_args(args: ServerArgs, dp_rank: int) -> ServerArgs:
     if args.tp_size == 1:
         return args
     if args.dist_init_addr is None:
-        from radixlm.runtime.utils import free_port
+        from ..utils import free_port
 
         return args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
     host, port = args.dist_init_addr.rsplit(":", 1)

@@ -17,7 +17,7 @@ import logging
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixlm.runtime.entrypoints.errors import error_body
+from .errors import error_body
 
 logger = logging.getLogger("radixlm.http")
 

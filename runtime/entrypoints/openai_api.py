@@ -22,15 +22,17 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
-from radixlm.runtime.entrypoints.chat_history import GeneratedHistory
-from radixlm.runtime.entrypoints.chat_template import (
+from ..managers.io_struct import GenerateReqInput
+from ..parsers import get_reasoning_parser, get_tool_call_parser
+from .chat_history import GeneratedHistory
+from .chat_template import (
     ChatRequestInput,
     JinjaChatTemplate,
     encode_chat_prompt,
     normalize_messages,
 )
-from radixlm.runtime.entrypoints.errors import APIError, json_response, raise_if_rejected, to_api_error
-from radixlm.runtime.entrypoints.openai_format import (
+from .errors import APIError, json_response, raise_if_rejected, to_api_error
+from .openai_format import (
     SSEResponse,
     chat_choice,
     chat_stream,
@@ -40,14 +42,12 @@ from radixlm.runtime.entrypoints.openai_format import (
     is_complete,
     usage_of,
 )
-from radixlm.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from radixlm.runtime.entrypoints.openai_tools import (
+from .openai_protocol import ChatCompletionRequest, CompletionRequest
+from .openai_tools import (
     constrain_after_reasoning,
     output_parser,
     setup_tools,
 )
-from radixlm.runtime.managers.io_struct import GenerateReqInput
-from radixlm.runtime.parsers import get_reasoning_parser, get_tool_call_parser
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
 MAX_TOP_LOGPROBS = 20

@@ -22,8 +22,8 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from radixlm.runtime.entrypoints.errors import error_body, to_api_error
-from radixlm.runtime.parsers import ChatOutputParser, ChatStreamState
+from ..parsers import ChatOutputParser, ChatStreamState
+from .errors import error_body, to_api_error
 
 DONE = b"data: [DONE]\n\n"
 

@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.constrained import DEFAULT_JSON_WHITESPACE_PATTERN, GrammarError, schema_to_regex
-from radixlm.runtime.entrypoints.errors import APIError
-from radixlm.runtime.parsers import ChatOutputParser, ReasoningParser, ToolCallParser
+from ..constrained import DEFAULT_JSON_WHITESPACE_PATTERN, GrammarError, schema_to_regex
+from ..parsers import ChatOutputParser, ReasoningParser, ToolCallParser
+from .errors import APIError
 
 
 @dataclass

@@ -16,8 +16,9 @@ import uuid
 from typing import Any
 
 import radixlm
-from radixlm.runtime.managers.io_struct import GenerateReqInput
-from radixlm.runtime.server_args import ServerArgs
+
+from ..managers.io_struct import GenerateReqInput
+from ..server_args import ServerArgs
 
 STATE_TIMEOUT_S = 10.0
 HEALTH_TIMEOUT_S = 20.0

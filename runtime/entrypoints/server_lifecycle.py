@@ -25,12 +25,12 @@ import threading
 import time
 from typing import Any
 
-from radixlm.runtime.entrypoints.chat_template import CHAT_TEMPLATES
-from radixlm.runtime.entrypoints.http_limits import HttpLimits, limited_h11_protocol
-from radixlm.runtime.entrypoints.http_server import ServerState, create_app
-from radixlm.runtime.entrypoints.server_info import capacity_report, format_capacity, health_generate
-from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.utils import READY_LINE, configure_logging
+from ..server_args import ServerArgs
+from ..utils import READY_LINE, configure_logging
+from .chat_template import CHAT_TEMPLATES
+from .http_limits import HttpLimits, limited_h11_protocol
+from .http_server import ServerState, create_app
+from .server_info import capacity_report, format_capacity, health_generate
 
 logger = logging.getLogger("radixlm.server")
 CHILD_DEATH_EXIT_S = 3.5
@@ -86,7 +86,7 @@ class ServerLifecycle:
 
     # ------------------------------------------------------------------ children
     def start_children(self) -> None:
-        from radixlm.runtime.entrypoints.launch import launch_subprocesses
+        from .launch import launch_subprocesses
 
         self.subprocesses = launch_subprocesses(self.args, on_child_death=self.on_child_death)
         info = self.subprocesses.scheduler_info
@@ -102,8 +102,8 @@ class ServerLifecycle:
     async def serve(self) -> None:
         import uvicorn
 
-        from radixlm.runtime.managers.tokenizer_manager import TokenizerManager
-        from radixlm.runtime.metrics import MetricsCollector
+        from ..managers.tokenizer_manager import TokenizerManager
+        from ..metrics import MetricsCollector
 
         self.loop = asyncio.get_running_loop()
         info = self.subprocesses.scheduler_info

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response
 
-from radixlm.runtime.entrypoints.errors import APIError, json_response
+from .errors import APIError, json_response
 
 
 class TokenizeRequest(BaseModel):

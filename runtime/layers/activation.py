@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.kernels import cpu_ops
+from ...kernels import cpu_ops
 
 
 class SiluAndMul(nn.Module):

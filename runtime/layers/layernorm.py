@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixlm.kernels import cpu_ops
+from ...kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from radixlm.runtime.layers.packed_linear import linear
+from ..distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from .packed_linear import linear
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.kernels.cpu_build import env_flag
-from radixlm.kernels.cpu_gemm import load_cpu_gemm
-from radixlm.runtime.mem_cache.huge_pages import huge_page_empty, transparent_huge_pages
+from ...kernels.cpu_build import env_flag
+from ...kernels.cpu_gemm import load_cpu_gemm
+from ..mem_cache.huge_pages import huge_page_empty, transparent_huge_pages
 
 logger = logging.getLogger(__name__)
 

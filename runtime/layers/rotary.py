@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from radixlm.kernels import cpu_ops
+from ...kernels import cpu_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from radixlm.kernels.vocab_mask import apply_vocab_mask
-from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo
+from ...kernels.vocab_mask import apply_vocab_mask
+from .sampling_batch_info import SamplingBatchInfo
 
 _NEG_INF = float("-inf")
 # Filtering takes a `topk` of the candidates instead of a full sort when the batch's largest

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.runtime.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

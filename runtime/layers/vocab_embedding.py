@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from radixlm.runtime.layers.packed_linear import linear
-from radixlm.runtime.utils import ceil_div
+from ..distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from ..utils import ceil_div
+from .packed_linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -15,8 +15,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixlm.runtime.managers.batch_planner import StepBatch
-    from radixlm.runtime.managers.scheduler import Scheduler
+    from .batch_planner import StepBatch
+    from .scheduler import Scheduler
 
 logger = logging.getLogger("radixlm.scheduler")
 

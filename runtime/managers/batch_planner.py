@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixlm.runtime.managers.req import Req
-from radixlm.runtime.managers.schedule_policy import PrefillBudget, order_waiting
-from radixlm.runtime.mem_cache.approx_tree import ApproxTree
-from radixlm.runtime.mem_cache.kv_manager import KVManager
-from radixlm.runtime.mem_cache.miss_diagnosis import MissDiagnosis
-from radixlm.runtime.server_args import ServerArgs
+from ..mem_cache.approx_tree import ApproxTree
+from ..mem_cache.kv_manager import KVManager
+from ..mem_cache.miss_diagnosis import MissDiagnosis
+from ..server_args import ServerArgs
+from .req import Req
+from .schedule_policy import PrefillBudget, order_waiting
 
 logger = logging.getLogger(__name__)
 

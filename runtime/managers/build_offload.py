@@ -17,9 +17,9 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixlm.runtime.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
-from radixlm.runtime.managers.request_validation import input_size, validate_generate_fields
-from radixlm.runtime.managers.text_encoding import check_prefix_fits
+from .io_struct import GenerateReqInput, TokenizedGenerateReq
+from .request_validation import input_size, validate_generate_fields
+from .text_encoding import check_prefix_fits
 
 LARGE_INPUT = 64 * 1024
 HEAD_CHARS_PER_TOKEN = 16     # the head checked for overflow: this many characters per context token

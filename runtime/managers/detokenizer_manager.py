@@ -25,7 +25,8 @@ from typing import Any
 import regex as _regex
 import zmq
 
-from radixlm.runtime.managers.io_struct import (
+from ..server_args import ServerArgs
+from .io_struct import (
     BatchStrOut,
     BatchTokenIDOut,
     ChildFailed,
@@ -33,8 +34,7 @@ from radixlm.runtime.managers.io_struct import (
     ReqStrOut,
     ReqTokenOut,
 )
-from radixlm.runtime.managers.ipc import PortArgs, Puller, Pusher
-from radixlm.runtime.server_args import ServerArgs
+from .ipc import PortArgs, Puller, Pusher
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +193,8 @@ class DetokenizerManager:
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_writer: Any) -> None:
     """Process entry: load the tokenizer, bind, send `DetokenizerReady`, then serve forever."""
-    from radixlm.runtime.managers.tokenizer_manager import load_tokenizer
-    from radixlm.runtime.utils import configure_logging, kill_self_with_parent
+    from ..utils import configure_logging, kill_self_with_parent
+    from .tokenizer_manager import load_tokenizer
 
     configure_logging(server_args.log_level, "detokenizer")
     kill_self_with_parent()

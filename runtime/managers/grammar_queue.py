@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixlm.runtime.managers.req import Req
-from radixlm.runtime.server_args import ServerArgs
+from ..server_args import ServerArgs
+from .req import Req
 
 
 class GrammarQueue:
@@ -25,7 +25,7 @@ class GrammarQueue:
     @property
     def backend(self):
         if self._backend is None:            # outlines-core vocabulary is built on first use
-            from radixlm.runtime.constrained.grammar_backend import GrammarBackend
+            from ..constrained.grammar_backend import GrammarBackend
 
             self._backend = GrammarBackend(
                 self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -54,7 +54,7 @@ class GrammarQueue:
         """Requests whose grammar is compiled (their matcher set); failures go to `on_error`."""
         if not self.pending:
             return []
-        from radixlm.runtime.constrained.grammar_backend import GrammarError
+        from ..constrained.grammar_backend import GrammarError
 
         ready = []
         for req in list(self.pending):

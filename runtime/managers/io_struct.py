@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.runtime.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 # ----------------------------------------------------------------- requests

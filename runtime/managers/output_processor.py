@@ -14,13 +14,13 @@ from functools import lru_cache
 
 import torch
 
-from radixlm.kernels.vocab_mask import allocate_vocab_mask
-from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
-from radixlm.runtime.layers.sampler import Sampler
-from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
-from radixlm.runtime.managers.batch_planner import StepBatch
-from radixlm.runtime.managers.io_struct import ReqTokenOut
-from radixlm.runtime.managers.req import Req
+from ...kernels.vocab_mask import allocate_vocab_mask
+from ..layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
+from ..layers.sampler import Sampler
+from ..layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
+from .batch_planner import StepBatch
+from .io_struct import ReqTokenOut
+from .req import Req
 
 STOP_STR_LOOKBACK_TOKENS = 8   # decode this many tokens beyond the longest stop string's length
 

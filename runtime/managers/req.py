@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.managers.io_struct import TokenizedGenerateReq
-from radixlm.runtime.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
+from .io_struct import TokenizedGenerateReq
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

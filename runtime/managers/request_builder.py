@@ -13,11 +13,11 @@ import os
 import uuid
 from typing import Any
 
-from radixlm.runtime.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
-from radixlm.runtime.managers.request_validation import check_logprob_start, validate_generate_fields
-from radixlm.runtime.managers.text_encoding import encode_texts
-from radixlm.runtime.sampling_params import MODEL_DEFAULT_KEYS, SamplingParams
-from radixlm.runtime.server_args import ServerArgs
+from ..sampling_params import MODEL_DEFAULT_KEYS, SamplingParams
+from ..server_args import ServerArgs
+from .io_struct import GenerateReqInput, TokenizedGenerateReq
+from .request_validation import check_logprob_start, validate_generate_fields
+from .text_encoding import encode_texts
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixlm.runtime.managers.req import Req
-from radixlm.runtime.mem_cache.base_cache import BasePrefixCache
-from radixlm.runtime.utils import align_down
+from ..mem_cache.base_cache import BasePrefixCache
+from ..utils import align_down
+from .req import Req
 
 CACHE_AWARE = ("lpm", "dfs-weight")
 CACHE_AWARE_MAX_QUEUE = 128   # beyond this, matching every waiting prompt costs more than it saves

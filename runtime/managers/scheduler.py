@@ -19,10 +19,14 @@ from collections import deque
 
 import torch
 
-from radixlm.runtime.managers.batch_log import BatchLog
-from radixlm.runtime.managers.batch_planner import BatchPlanner, StepBatch
-from radixlm.runtime.managers.grammar_queue import GrammarQueue
-from radixlm.runtime.managers.io_struct import (
+from ..mem_cache.kv_manager import KVManager
+from ..model_executor.forward_batch import ForwardMode
+from ..model_executor.model_runner import ModelRunner
+from ..server_args import ServerArgs
+from .batch_log import BatchLog
+from .batch_planner import BatchPlanner, StepBatch
+from .grammar_queue import GrammarQueue
+from .io_struct import (
     AbortReq,
     BatchTokenIDOut,
     FlushCacheOut,
@@ -32,12 +36,8 @@ from radixlm.runtime.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReq,
 )
-from radixlm.runtime.managers.output_processor import OutputProcessor
-from radixlm.runtime.managers.req import Req
-from radixlm.runtime.mem_cache.kv_manager import KVManager
-from radixlm.runtime.model_executor.forward_batch import ForwardMode
-from radixlm.runtime.model_executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs
+from .output_processor import OutputProcessor
+from .req import Req
 
 logger = logging.getLogger(__name__)
 

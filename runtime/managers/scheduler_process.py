@@ -12,11 +12,11 @@ import traceback
 
 import zmq
 
-from radixlm.runtime.managers.io_struct import ChildFailed, SchedulerReady
-from radixlm.runtime.managers.ipc import PortArgs, Puller, Pusher
-from radixlm.runtime.managers.scheduler import IDLE_POLL_MS, Scheduler, set_torch_threads
-from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.utils import configure_logging, kill_self_with_parent
+from ..server_args import ServerArgs
+from ..utils import configure_logging, kill_self_with_parent
+from .io_struct import ChildFailed, SchedulerReady
+from .ipc import PortArgs, Puller, Pusher
+from .scheduler import IDLE_POLL_MS, Scheduler, set_torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def recv_messages(scheduler: Scheduler, puller: Puller | None, block: bool) -> l
         msgs.extend(puller.recv_nowait_all())
         msgs.extend(scheduler.timeout_aborts())
     if scheduler.args.tp_size > 1:
-        from radixlm.runtime.distributed.parallel_state import broadcast_objects
+        from ..distributed.parallel_state import broadcast_objects
 
         msgs = broadcast_objects(msgs)
     return msgs

@@ -24,9 +24,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixlm.runtime.managers.admission_control import AdmissionControl
-from radixlm.runtime.managers.build_offload import OffloadedBuilder
-from radixlm.runtime.managers.io_struct import (
+from ..router.dp_router import DPRouter
+from ..server_args import ServerArgs
+from .admission_control import AdmissionControl
+from .build_offload import OffloadedBuilder
+from .io_struct import (
     AbortReq,
     BatchStrOut,
     FlushCacheOut,
@@ -38,12 +40,10 @@ from radixlm.runtime.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReq,
 )
-from radixlm.runtime.managers.ipc import AsyncPuller, AsyncPusher, PortArgs
-from radixlm.runtime.managers.req_state import MemoryTrimmer, ReqState, TokenTexts, charge_output, over_budget
-from radixlm.runtime.managers.request_builder import RequestBuilder
-from radixlm.runtime.managers.rid_registry import RidRegistry
-from radixlm.runtime.router.dp_router import DPRouter
-from radixlm.runtime.server_args import ServerArgs
+from .ipc import AsyncPuller, AsyncPusher, PortArgs
+from .req_state import MemoryTrimmer, ReqState, TokenTexts, charge_output, over_budget
+from .request_builder import RequestBuilder
+from .rid_registry import RidRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from radixlm.runtime.mem_cache.tree_node import TreeNode
+    from .tree_node import TreeNode
 
 
 class MatchResult(NamedTuple):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, InsertResult, MatchResult
-from radixlm.runtime.mem_cache.tree_node import TreeNode
+from .base_cache import BasePrefixCache, InsertResult, MatchResult
+from .tree_node import TreeNode
 
 
 class ChunkCache(BasePrefixCache):

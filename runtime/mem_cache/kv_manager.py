@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, InsertResult, MatchResult
-from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, new_slots_needed
-from radixlm.runtime.utils import align_down
+from ..utils import align_down
+from .base_cache import BasePrefixCache, InsertResult, MatchResult
+from .memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, new_slots_needed
 
 if TYPE_CHECKING:
-    from radixlm.runtime.mem_cache.tree_node import TreeNode
+    from .tree_node import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -52,10 +52,10 @@ class KVReq(Protocol):
 
 def make_prefix_cache(disable_radix_cache: bool, page_size: int, device: str | torch.device) -> BasePrefixCache:
     if disable_radix_cache:
-        from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
+        from .chunk_cache import ChunkCache
 
         return ChunkCache(page_size, device)
-    from radixlm.runtime.mem_cache.radix_cache import RadixCache
+    from .radix_cache import RadixCache
 
     return RadixCache(page_size, device)
 

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from radixlm.runtime.mem_cache.huge_pages import huge_page_empty
-from radixlm.runtime.utils import align_up, ceil_div
+from ..utils import align_up, ceil_div
+from .huge_pages import huge_page_empty
 
 
 def new_slots_needed(prefix_len: int, seq_len: int, page_size: int) -> int:

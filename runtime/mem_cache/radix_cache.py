@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import torch
 
-from radixlm.runtime.mem_cache.base_cache import BasePrefixCache, InsertResult, MatchResult
-from radixlm.runtime.mem_cache.tree_node import TreeNode
-from radixlm.runtime.utils import align_down
+from ..utils import align_down
+from .base_cache import BasePrefixCache, InsertResult, MatchResult
+from .tree_node import TreeNode
 
 
 class RadixCache(BasePrefixCache):

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import logging
 import torch
 from torch import nn
 
-from radixlm.kernels import cpu_ops
-from radixlm.kernels.cpu_decoder import load_cpu_decoder
-from radixlm.runtime.layers.packed_linear import GemmWeight
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+from ...kernels import cpu_ops
+from ...kernels.cpu_decoder import load_cpu_decoder
+from ..layers.packed_linear import GemmWeight
+from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ def _linear_args(layer: nn.Module) -> tuple:
 
 
 def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> str | None:
-    from radixlm.runtime.layers.attention.torch_native import TorchNativeAttnBackend
-    from radixlm.runtime.models.llama import LlamaModel
+    from ..layers.attention.torch_native import TorchNativeAttnBackend
+    from ..models.llama import LlamaModel
 
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel) or not len(inner.layers):

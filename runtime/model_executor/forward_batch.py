@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
+    from ..mem_cache.memory_pool import KVCache, ReqToTokenPool
 
 
 class ForwardMode(IntEnum):

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.runtime.layers.attention.base import create_backend
-from radixlm.runtime.layers.packed_linear import pack_linear_weights, packed_weight_bytes
-from radixlm.runtime.mem_cache.memory_pool import KVCache, ReqToTokenPool
-from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
-from radixlm.runtime.model_executor.cpu_decoder import CpuDecoder
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.runtime.models.model_config import ModelConfig
-from radixlm.runtime.server_args import ServerArgs
+from ..layers.attention.base import create_backend
+from ..layers.packed_linear import pack_linear_weights, packed_weight_bytes
+from ..mem_cache.memory_pool import KVCache, ReqToTokenPool
+from ..models.model_config import ModelConfig
+from ..server_args import ServerArgs
+from .compiled_decode import CompiledDecode
+from .cpu_decoder import CpuDecoder
+from .forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_path(server_args.model_path, dtype=server_args.dtype,
                                                   context_length=server_args.context_length)
         self._init_distributed()
-        from radixlm.runtime.models.weight_loader import load_model
+        from ..models.weight_loader import load_model
 
         self.model = load_model(self.model_config, self.device)
         if not (server_args.disable_packed_weights or server_args.enable_torch_compile):
@@ -79,7 +79,7 @@ class ModelRunner:
     def _pick_backend(self) -> str:
         name = self.server_args.attention_backend
         if name == "flashinfer":
-            from radixlm.runtime.layers.attention.flashinfer_backend import flashinfer_unsupported_reason
+            from ..layers.attention.flashinfer_backend import flashinfer_unsupported_reason
 
             reason = flashinfer_unsupported_reason(self.model_config.head_dim, self.dtype)
             if reason:
@@ -88,7 +88,7 @@ class ModelRunner:
         return name
 
     def _init_distributed(self) -> None:
-        from radixlm.runtime.distributed import parallel_state as ps
+        from ..distributed import parallel_state as ps
 
         tp = self.server_args.tp_size
         cfg = self.model_config

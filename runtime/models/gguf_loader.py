@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from radixlm.runtime.models.model_config import ModelLoadError
+from .model_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -19,19 +19,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixlm.runtime.layers.activation import SiluAndMul
-from radixlm.runtime.layers.attention.base import RadixAttention
-from radixlm.runtime.layers.layernorm import RMSNorm
-from radixlm.runtime.layers.linear import (
+from ..layers.activation import SiluAndMul
+from ..layers.attention.base import RadixAttention
+from ..layers.layernorm import RMSNorm
+from ..layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
 )
-from radixlm.runtime.layers.rotary import RotaryEmbedding
-from radixlm.runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch
-from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
+from ..layers.rotary import RotaryEmbedding
+from ..layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from ..model_executor.forward_batch import ForwardBatch
+from .model_config import ModelConfig, ModelLoadError
 
 logger = logging.getLogger(__name__)
 

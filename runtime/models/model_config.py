@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime.layers.rotary import SUPPORTED_ROPE_TYPES
-from radixlm.runtime.models.registry import SUPPORTED_ARCHITECTURES
+from ..layers.rotary import SUPPORTED_ROPE_TYPES
+from .registry import SUPPORTED_ARCHITECTURES
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -62,7 +62,7 @@ class ModelConfig:
         For a .gguf file, reads the config converted from its metadata (written on first use)."""
         gguf_file = str(Path(path).expanduser().resolve()) if is_gguf_file(path) else None
         if gguf_file:
-            from radixlm.runtime.models.gguf_loader import materialize_gguf
+            from .gguf_loader import materialize_gguf
 
             folder = materialize_gguf(gguf_file)
         else:

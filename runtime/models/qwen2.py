@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from radixlm.runtime.models.llama import LlamaForCausalLM, LlamaOptions
-from radixlm.runtime.models.model_config import ModelConfig
+from .llama import LlamaForCausalLM, LlamaOptions
+from .model_config import ModelConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

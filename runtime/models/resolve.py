@@ -19,8 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixlm.runtime.models.gguf_loader import cache_root, materialize_gguf
-from radixlm.runtime.models.model_config import ModelLoadError, is_gguf_file
+from .gguf_loader import cache_root, materialize_gguf
+from .model_config import ModelLoadError, is_gguf_file
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from radixlm.runtime.distributed.parallel_state import get_tp_rank, get_tp_size
-from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
-from radixlm.runtime.models.registry import get_model_class
+from ..distributed.parallel_state import get_tp_rank, get_tp_size
+from .model_config import ModelConfig, ModelLoadError
+from .registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -53,7 +53,7 @@ def iterate_weights(folder: str | Path, show_progress: bool = True) -> Iterator[
 def checkpoint_weights(config: ModelConfig, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) pairs from the config's GGUF file if it has one, else its safetensors."""
     if config.gguf_file:
-        from radixlm.runtime.models.gguf_loader import iterate_gguf_weights
+        from .gguf_loader import iterate_gguf_weights
 
         return iterate_gguf_weights(config.gguf_file, config.num_heads, config.num_kv_heads, show_progress)
     return iterate_weights(config.path, show_progress=show_progress)

@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.runtime.parsers.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
-from radixlm.runtime.parsers.tool_call import (
+from .reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+from .tool_call import (
     TOOL_CALL_PARSERS,
     ToolCall,
     ToolCallParser,

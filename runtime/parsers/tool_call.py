@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.runtime.parsers.json_prefix import json_prefix_end
+from .json_prefix import json_prefix_end
 
 _DECODER = json.JSONDecoder()
 

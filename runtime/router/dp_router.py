@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from radixlm.runtime.mem_cache.approx_tree import CHUNK, ApproxTree
+from ..mem_cache.approx_tree import CHUNK, ApproxTree
 
 BALANCE_ABS = 8        # imbalanced when max - min in-flight exceeds this ...
 BALANCE_REL = 1.5      # ... and max exceeds min * this

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+from ...model_executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
@@ -75,9 +75,9 @@ def register_backend(name: str):
 def create_backend(name: str, **kwargs) -> AttentionBackend:
     """Backends register on import; flashinfer is imported only when asked for (CUDA only)."""
     if name == "torch_native":
-        import radixlm.runtime.layers.attention.torch_native  # noqa: F401
+        from . import torch_native  # noqa: F401
     elif name == "flashinfer":
-        import radixlm.runtime.layers.attention.flashinfer_backend  # noqa: F401
+        from . import flashinfer_backend  # noqa: F401
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; choose from torch_native, flashinfer")
     return ATTENTION_BACKENDS[name](**kwargs)

@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.kernels.flashinfer_meta import (
+from ....kernels.flashinfer_meta import (
     PagedMeta,
     build_decode_meta,
     build_paged_meta,
     paged_kv_view,
     total_pages_of,
 )
-from radixlm.runtime.layers.attention.base import AttentionBackend, RadixAttention, register_backend
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+from ...model_executor.forward_batch import ForwardBatch
+from .base import AttentionBackend, RadixAttention, register_backend
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 # FlashInfer's FA2 kernels dispatch on these head dims; others are not validated by the library

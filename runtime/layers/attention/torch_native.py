@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.cpu_attention import load_cpu_attention
-from radixlm.runtime.layers.attention.base import AttentionBackend, RadixAttention, register_backend
-from radixlm.runtime.model_executor.forward_batch import ForwardBatch
+from ....kernels.cpu_attention import load_cpu_attention
+from ...model_executor.forward_batch import ForwardBatch
+from .base import AttentionBackend, RadixAttention, register_backend
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
