@@ -5,20 +5,23 @@
 source/flags/torch version, so later processes only load the built library.
 
 The SIMD path follows the CPU: AVX512 (avx512f/bw/vl/dq) or AVX2+FMA, read from /proc/cpuinfo;
-`RADIXLM_CPU_KERNEL_ISA=avx2|avx512` forces one. `RADIXLM_DISABLE_CPU_KERNELS=1` disables every
-extension (callers then use their torch code).
+`--cpu-kernel-isa` / `RADIXLM_CPU_KERNEL_ISA=avx2|avx512` forces one. `--disable-cpu-kernels` /
+`RADIXLM_DISABLE_CPU_KERNELS=1` disables every extension (callers then use their torch code).
+`--require-kernels` / `RADIXLM_REQUIRE_KERNELS=1` turns a failed build (or a CPU without AVX2/AVX512)
+into a RuntimeError instead of a warning and the torch code. These switches are read from the
+process environment through runtime/env.py (the launcher sets them in every child from the flags).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from ..runtime import env
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +36,8 @@ COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}}
 
 
-def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
-    """True when variable `name` of `env` (default: this process's environment) is set to something
-    other than '', '0' or 'false'."""
-    return (os.environ if env is None else env).get(name, "0") not in ("", "0", "false", "False")
-
-
 def kernels_disabled() -> bool:
-    return env_flag("RADIXLM_DISABLE_CPU_KERNELS")
+    return env.DISABLE_CPU_KERNELS.get()
 
 
 def cpu_flags() -> set[str]:
@@ -57,7 +54,7 @@ def cpu_flags() -> set[str]:
 def pick_isa(flags: set[str] | None = None) -> str | None:
     """The best SIMD path this CPU runs ('avx512', 'avx2'), or None."""
     flags = cpu_flags() if flags is None else flags
-    forced = os.environ.get("RADIXLM_CPU_KERNEL_ISA")
+    forced = env.CPU_KERNEL_ISA.get()
     for isa in ([forced] if forced else ["avx512", "avx2"]):
         if isa in ISA_NEEDS and ISA_NEEDS[isa] <= flags:
             return isa
@@ -72,7 +69,7 @@ def build_dir(kind: str, isa: str, hashed_files: list[Path], flags: list[str]) -
         h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
-    root = Path(os.environ.get("RADIXLM_KERNEL_CACHE", Path.home() / ".cache" / "radixlm" / "kernels"))
+    root = Path(env.KERNEL_CACHE.get() or Path.home() / ".cache" / "radixlm" / "kernels")
     d = root / f"{kind}_{isa}_{h.hexdigest()[:16]}"
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -83,14 +80,14 @@ def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], h
     """Builds (first time only) and imports extension `radixlm_<kind>_<isa>`; None if disabled or on failure.
 
     `what` names the kernels in log lines ("CPU attention kernels"). Side effects: may compile into
-    the cache folder (tens of seconds) and logs that it does; logs one warning on failure.
+    the cache folder (tens of seconds) and logs that it does; logs one warning on failure, or raises
+    RuntimeError instead under RADIXLM_REQUIRE_KERNELS.
     """
     if kernels_disabled():
         return None
     isa = isa or pick_isa()
     if isa is None:
-        logger.warning("%s need AVX2+FMA or AVX512; using the torch code", what)
-        return None
+        return _unavailable(f"{what} need AVX2+FMA or AVX512")
     flags = [*COMMON_FLAGS, *ISA_FLAGS[isa], *extra_flags]
     folder = build_dir(kind, isa, [*sources, *headers], flags)
     name = f"radixlm_{kind}_{isa}"
@@ -105,9 +102,16 @@ def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], h
         mod = load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                    extra_include_paths=include_dirs, build_directory=str(folder), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back to torch code
-        logger.warning("%s failed to build (%s: %s); using the torch code", what, type(e).__name__,
-                       str(e).strip().splitlines()[-1] if str(e).strip() else "")
-        return None
+        return _unavailable(f"{what} failed to build ({type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''})")
     if fresh:
         logger.info("%s (%s) built in %.1f s", what, isa, time.perf_counter() - t0)
     return mod
+
+
+def _unavailable(problem: str) -> None:
+    """Warns and returns None (the caller uses its torch code); raises under RADIXLM_REQUIRE_KERNELS."""
+    if env.REQUIRE_KERNELS.get():
+        raise RuntimeError(f"{problem}, and --require-kernels / {env.REQUIRE_KERNELS.name} is set")
+    logger.warning("%s; using the torch code", problem)
+    return None

@@ -3,6 +3,11 @@
 The argparse parser is built from the fields (name -> `--name-with-dashes`, the `help` metadata
 becomes the help text), so a flag and its field can never drift apart. Derived values are
 properties or are resolved once in `resolved()`; nothing else mutates the args.
+
+Fields backed by an environment variable (runtime/env.py, e.g. --disable-cpu-gemm and
+RADIXLM_DISABLE_CPU_GEMM) take the variable's value as their default when the args are built; the
+flag's help names the variable. The launcher hands the final values to the child processes' kernels
+through the environment (`env.child_environ`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import env
 from .parsers.reasoning import REASONING_PARSERS
 from .parsers.tool_call import TOOL_CALL_PARSERS
 
@@ -33,6 +39,15 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
     if "default_factory" in kw:
         return field(default_factory=kw["default_factory"], metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _env(name: str) -> Any:
+    """A field whose default, help and choices come from its entry in runtime/env.py."""
+    var = env.BY_FIELD[name]
+    meta: dict[str, Any] = {"help": var.help, "env": var.name}
+    if var.choices:
+        meta["choices"] = var.choices
+    return field(default_factory=var.get, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -83,15 +98,18 @@ class ServerArgs:
     attention_backend: str | None = _f(None, "Attention kernels (default: flashinfer on CUDA, else torch_native).",
                                        ATTENTION_BACKENDS)
     enable_torch_compile: bool = _f(False, "Compile the decode forward with torch.compile (inductor), once per "
-                                    "batch-size class; the first decode pays the compile time (logged).")
-    disable_packed_weights: bool = _f(False, "On CPU, keep bf16/fp16 linear weights in their plain layout "
-                                      "instead of packing them once (radixlm's AVX512-BF16 gemm layout in "
-                                      "2 MiB pages, else oneDNN's; slower matmuls without).")
-    disable_cpu_decoder: bool = _f(False, "On CPU, run decode steps through the Python forward, layer by layer, "
-                                   "instead of radixlm's one-call C++ decoder (same results; the C++ loop "
-                                   "drops the per-op Python work, the CPU counterpart of CUDA graphs).")
-    disable_cpu_preload: bool = _f(False, "On CPU, do not LD_PRELOAD tcmalloc into the scheduler and "
-                                   "detokenizer even when it is installed.")
+                                    "batch-size class; the first decode pays the compile time (logged). "
+                                    "Turns packed weights and the one-call CPU decoder off (inductor packs "
+                                    "the weights of the graphs it compiles; the startup log says so).")
+    disable_packed_weights: bool = _env("disable_packed_weights")
+    disable_cpu_decoder: bool = _env("disable_cpu_decoder")
+    disable_cpu_gemm: bool = _env("disable_cpu_gemm")
+    disable_fused_ops: bool = _env("disable_fused_ops")
+    disable_cpu_kernels: bool = _env("disable_cpu_kernels")
+    cpu_kernel_isa: str | None = _env("cpu_kernel_isa")
+    require_kernels: bool = _env("require_kernels")
+    num_threads: int | None = _env("num_threads")
+    disable_cpu_preload: bool = _env("disable_cpu_preload")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
     grammar_compile_timeout: float = _f(30.0, "Seconds allowed to compile one regex / JSON schema.")
     constrained_json_whitespace_pattern: str | None = _f(None, "Regex for whitespace allowed inside JSON output.")
@@ -103,7 +121,8 @@ class ServerArgs:
                                 "generation_config.json, 'openai' uses the OpenAI defaults.", ("openai", "model"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: 'auto' or the model dtype (fp8 is not supported).",
                              KV_CACHE_DTYPES)
-    enable_cache_report: bool = _f(False, "Accepted for SGLang compatibility: cached tokens are always reported.")
+    enable_cache_report: bool = _f(False, "Always on in radixlm (this flag changes nothing): OpenAI usage always "
+                                   "has prompt_tokens_details.cached_tokens, which SGLang adds only with it.")
     tool_call_parser: str | None = _f(None, "Parser for tool calls in chat output (e.g. qwen25, llama3).",
                                       tuple(TOOL_CALL_PARSERS))
     reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).",
@@ -125,7 +144,8 @@ class ServerArgs:
                                     ("debug", "info", "warning", "error"))
     enable_access_log: bool = _f(False, "Log one uvicorn access line per HTTP request (method, path, status).")
     decode_log_interval: int = _f(40, "Log a decode batch line every this many decode steps (0: never).")
-    enable_metrics: bool = _f(False, "Accepted for SGLang compatibility: /metrics is always served.")
+    enable_metrics: bool = _f(False, "Always on in radixlm (this flag changes nothing): the Prometheus /metrics "
+                              "exporter is always served, which SGLang starts only with it.")
     random_seed: int = _f(0, "Seed for model init and unseeded sampling.")
     watchdog_interval: float = _f(0.5, "Seconds between child-process liveness checks.")
     debug_check_kv: bool = _f(False, "Assert free + evictable == total KV slots whenever the scheduler idles.")
@@ -133,17 +153,24 @@ class ServerArgs:
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Adds one flag per field; a field backed by an environment variable takes its value as
+        the default and names it in the help. The variables without a flag go in the epilog."""
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
+            default = _field_default(f)
+            if "env" in f.metadata:
+                help_ += f" Env twin: {f.metadata['env']}."
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_)
+                parser.add_argument(flag, action="store_true", default=default, help=help_)
                 continue
-            kind = _arg_type(f.type)
-            default = f.default if f.default is not dataclasses.MISSING else None
             if default is not None:
                 help_ += f" (default: {default})"
-            parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help_)
+            parser.add_argument(flag, type=_arg_type(f.type), default=default, choices=f.metadata.get("choices"),
+                                help=help_)
+        if parser.epilog is None:
+            parser.epilog = "Environment variables without a flag: " + "; ".join(
+                f"{v.name}: {v.help.rstrip('.')}" for v in env.without_flags()) + "."
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
@@ -243,6 +270,15 @@ def _config_dtype(model_path: str | None) -> str | None:
     except (OSError, ValueError):
         return None
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """The field's default now (a default_factory, i.e. an environment variable, is read)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
 
 
 def _arg_type(annotation: str) -> Any:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..cpu_build import env_flag, load_extension, pick_isa
+from ...runtime import env
+from ..cpu_build import load_extension, pick_isa
 from ..cpu_gemm import GEMM_FLAGS, gemm_enabled
 
 _KERNELS = Path(__file__).parent.parent
@@ -30,7 +31,7 @@ _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "
 @functools.cache
 def load_cpu_decoder():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
-    if env_flag("RADIXLM_DISABLE_CPU_DECODER"):
+    if env.DISABLE_CPU_DECODER.get():
         return None
     flags = (*GEMM_FLAGS, "-DRADIXLM_WITH_GEMM") if gemm_enabled() else ()
     return load_extension("cpu_decoder", "one-call CPU decoder", pick_isa(), [Path(__file__).parent / "decoder.cpp"],

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..cpu_build import cpu_flags, env_flag, load_extension, pick_isa
+from ...runtime import env
+from ..cpu_build import cpu_flags, load_extension, pick_isa
 
 _SRC_DIR = Path(__file__).parent
 
@@ -32,7 +33,7 @@ GEMM_FLAGS = ("-mavx512bf16",)   # added to the avx512 flags of every library th
 
 def gemm_enabled() -> bool:
     """This CPU runs the kernel and RADIXLM_DISABLE_CPU_GEMM is not set."""
-    return not env_flag("RADIXLM_DISABLE_CPU_GEMM") and cpu_supports_gemm()
+    return not env.DISABLE_CPU_GEMM.get() and cpu_supports_gemm()
 
 
 @functools.cache

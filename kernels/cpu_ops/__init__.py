@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..cpu_build import env_flag, load_extension
+from ...runtime import env
+from ..cpu_build import load_extension
 
 _SRC_DIR = Path(__file__).parent
 _SIMD_H = _SRC_DIR.parent / "cpu_attention" / "simd.h"
@@ -49,7 +50,7 @@ def load_cpu_ops(isa: str | None = None):
     Side effects: may compile into the kernel cache folder (tens of seconds) and logs that it does;
     registers the torch custom ops on first success.
     """
-    if env_flag("RADIXLM_DISABLE_FUSED_OPS"):
+    if env.DISABLE_FUSED_OPS.get():
         return None
     mod = load_extension("cpu_ops", "fused CPU ops", isa, [_SRC_DIR / "fused_ops.cpp"],
                          [_SRC_DIR / "fused_ops.h", _SIMD_H])

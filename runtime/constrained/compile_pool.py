@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from ..env import environ_copy
 from .compile_worker import memory_error_message
 from .engines import CompileResult, VocabSpec
 from .regex_rules import GrammarError
@@ -144,7 +144,7 @@ class CompilePool:
         fd = child.fileno()
         process = subprocess.Popen(
             [sys.executable, "-m", "radixlm.runtime.constrained.compile_worker", str(fd)],
-            pass_fds=(fd,), stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            pass_fds=(fd,), stdin=subprocess.DEVNULL, env={**environ_copy(), "PYTHONUNBUFFERED": "1"})
         child.close()
         conn = Connection(parent.detach())
         conn.send((self.vocab, self.whitespace_pattern, self.memory_limit_mb, self.preload))

@@ -1,17 +1,17 @@
 """The process environment of the children on CPU: torch threads, OpenMP wait policy, tcmalloc.
 
-    env, notes = cpu_child_env(server_args, dict(os.environ))     # notes go to the startup log
+    env, notes = cpu_child_env(server_args, radixlm_env.child_environ(server_args))   # notes: startup log
 
 What each setting did for radixlm (SmolLM2-135M bf16, 2 cores, benchmarks/README.md has the runs):
 
 - **Threads**: each scheduler gets cores // (tp_size * dp_size) torch threads (at least one), so
   the scheduler processes of one server never ask for more threads than there are cores.
-  `RADIXLM_NUM_THREADS` overrides it.
+  `--num-threads` (or `RADIXLM_NUM_THREADS`) overrides it.
 - **OpenMP wait policy**: left to the runtime's default (threads spin a short while after a
   parallel region, then sleep) when the threads fit the cores. OMP_WAIT_POLICY=PASSIVE (sleep at
   once) made every one of the ~150 parallel regions of a decode step pay a wake-up: at batch 1
   TPOT went from 25 to 35-38 ms, at concurrency 16 throughput fell from 221 to 155 tok/s. When
-  the threads oversubscribe the cores (an explicit `RADIXLM_NUM_THREADS`, or more schedulers than
+  the threads oversubscribe the cores (an explicit `--num-threads`, or more schedulers than
   cores) PASSIVE is set, since spinning threads then starve each other (measured 80x slower).
   An OMP_WAIT_POLICY in the environment always wins.
 - **tcmalloc** (Debian's `libtcmalloc-minimal4`) goes into LD_PRELOAD when installed: with the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...kernels.cpu_build import env_flag
+from .. import env as radixlm_env
 from ..server_args import ServerArgs
 
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -59,16 +59,15 @@ def cpu_child_env(server_args: ServerArgs, env: dict[str, str]) -> tuple[dict[st
     notes: list[str] = []
     cores = available_cores()
     schedulers = server_args.tp_size * server_args.dp_size
-    explicit = env.get("RADIXLM_NUM_THREADS")
-    threads = int(explicit) if explicit else max(cores // schedulers, 1)
-    env["RADIXLM_NUM_THREADS"] = str(threads)
+    threads = radixlm_env.NUM_THREADS.get(env) or max(cores // schedulers, 1)
+    env[radixlm_env.NUM_THREADS.name] = str(threads)
     if server_args.device != "cpu":
         return env, notes
     if "OMP_WAIT_POLICY" not in env and threads * schedulers > cores:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     notes.append(f"{schedulers} scheduler(s) x {threads} torch thread(s) on {cores} core(s), "
                  f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', 'default')}")
-    if server_args.disable_cpu_preload or env_flag("RADIXLM_DISABLE_CPU_PRELOAD", env):
+    if server_args.disable_cpu_preload or radixlm_env.DISABLE_CPU_PRELOAD.get(env):
         notes.append("tcmalloc: not preloaded (disabled)")
         return env, notes
     path = find_tcmalloc()

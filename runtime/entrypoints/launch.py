@@ -35,10 +35,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from ..env import child_environ
 from ..managers.io_struct import ChildFailed, DetokenizerReady, SchedulerReady
 from ..managers.ipc import PortArgs
 from ..server_args import ServerArgs
 from .cpu_env import cpu_child_env
+from .server_info import format_fast_paths
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +49,20 @@ SCHEDULER_TARGET = ("radixlm.runtime.managers.scheduler_process", "run_scheduler
 DETOKENIZER_TARGET = ("radixlm.runtime.managers.detokenizer_manager", "run_detokenizer_process")
 
 
-def child_env(server_args: ServerArgs) -> dict[str, str]:
-    """The environment of every child process: this process's, plus
+def child_env(server_args: ServerArgs) -> tuple[dict[str, str], list[str]]:
+    """The environment of every child process, and the lines it adds to the startup block: this
+    process's environment, plus
+    - every RADIXLM_* switch set from its flag (runtime/env.py), so the kernels in the children
+      see what the flags said;
     - PYTHONPATH = this interpreter's sys.path, so the child imports the same radixlm;
     - the CPU settings of `cpu_env.cpu_child_env` (torch threads per scheduler, OpenMP wait
-      policy, tcmalloc), each logged once at startup."""
-    env = dict(os.environ)
+      policy, tcmalloc)."""
+    env = child_environ(server_args)
     paths = [p for p in sys.path if p]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    env, notes = cpu_child_env(server_args, env)
-    for note in notes:
-        logger.info("CPU: %s", note)
-    return env
+    return cpu_child_env(server_args, env)
 
 
 @dataclass
@@ -169,7 +171,7 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
     TP size is refused first, in this process, with ModelLoadError (a ValueError)."""
     preflight(server_args)
     port_args = port_args or PortArgs.new()
-    env = child_env(server_args)
+    env, cpu_notes = child_env(server_args)
     subs = Subprocesses(server_args, port_args, [])
     _running.add(subs)
     try:
@@ -186,6 +188,7 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
         raise
     first = next(c for c in subs.children if isinstance(c.ready_msg, SchedulerReady))
     subs.scheduler_info = dict(first.ready_msg.info)
+    logger.info("\n".join(format_fast_paths(subs.scheduler_info.get("fast_paths") or {}, cpu_notes)))
     if on_child_death is not None:
         subs.start_watchdog(on_child_death)
     return subs

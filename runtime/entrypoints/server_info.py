@@ -2,6 +2,7 @@
 
     server_info(server_args, tm)   -> args (api_key redacted) + scheduler info + capacity + state
     capacity_report(info, ctx)     -> KV bytes per token, pool size, concurrent requests at context
+    format_fast_paths(paths, notes) -> the startup block: which fast paths are on, and why
     health_generate(tm)            -> None when a 1-token generation works, else what went wrong
 
 Nothing here holds state; every function reads the running TokenizerManager `tm`.
@@ -64,6 +65,15 @@ def format_capacity(cap: dict[str, Any]) -> list[str]:
             f"{cap['kv_bytes_per_token']} bytes per token); context length {cap['context_len']}: at most "
             f"{cap['max_concurrent_requests_at_context']} concurrent requests at full context "
             f"(max running requests: {cap['max_running_requests']})"]
+
+
+def format_fast_paths(paths: dict[str, str], cpu_notes: list[str]) -> list[str]:
+    """The startup block (logged once by the launcher): the first scheduler's fast paths
+    (model_executor/fast_paths.py) and the launcher's own CPU lines (threads, tcmalloc preload)."""
+    rows = [*paths.items(), *(("threads" if i == 0 else "preload", n) for i, n in enumerate(cpu_notes))]
+    width = max((len(k) for k, _ in rows), default=0)
+    return ["Fast paths (flags and their RADIXLM_* twins: radixlm-server --help):",
+            *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
 
 
 async def health_generate(tm: Any, timeout: float = HEALTH_TIMEOUT_S) -> str | None:

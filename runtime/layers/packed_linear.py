@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.cpu_build import env_flag
 from ...kernels.cpu_gemm import load_cpu_gemm
+from .. import env
 from ..mem_cache.huge_pages import huge_page_empty, transparent_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     empty tensor when nothing else holds it. Returns how many weights were packed (0 when packing is
     disabled or unsupported here); logs the count, the layout and the time taken.
     """
-    if env_flag("RADIXLM_DISABLE_PACKED_WEIGHTS"):
+    if env.DISABLE_PACKED_WEIGHTS.get():
         logger.info("Packed weights off (RADIXLM_DISABLE_PACKED_WEIGHTS); linear layers use F.linear")
         return 0
     start = time.perf_counter()

@@ -240,5 +240,7 @@ class Scheduler:
 
 
 def set_torch_threads() -> None:
-    n = int(os.environ.get("RADIXLM_NUM_THREADS", "0")) or max(os.cpu_count() or 1, 1)
+    from ..env import NUM_THREADS  # the launcher sets it per scheduler (runtime/env.py)
+
+    n = NUM_THREADS.get() or max(os.cpu_count() or 1, 1)
     torch.set_num_threads(n)

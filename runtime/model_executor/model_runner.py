@@ -24,6 +24,7 @@ from ..models.model_config import ModelConfig
 from ..server_args import ServerArgs
 from .compiled_decode import CompiledDecode
 from .cpu_decoder import CpuDecoder
+from .fast_paths import fast_paths
 from .forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -92,13 +93,12 @@ class ModelRunner:
 
         tp = self.server_args.tp_size
         cfg = self.model_config
-        if cfg.num_heads % tp:
-            raise ValueError(f"num_attention_heads ({cfg.num_heads}) is not divisible by --tp-size {tp}")
+        cfg.check_tp_size(tp)
         if tp > 1 and not ps.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             ps.init_tp_group(self.tp_rank, tp, backend, f"tcp://{self.server_args.dist_init_addr}")
         self.num_local_heads = cfg.num_heads // tp
-        self.num_local_kv_heads = max(cfg.num_kv_heads // tp, 1)
+        self.num_local_kv_heads = cfg.num_kv_heads_per_rank(tp)
 
     def _init_memory(self) -> None:
         """Sizes the KV pool and allocates the K/V buffers (page 0 reserved for padding writes)."""
@@ -146,6 +146,7 @@ class ModelRunner:
             "eos_token_ids": list(cfg.eos_token_ids), "is_generation": True, "dtype": str(self.dtype),
             "device": str(self.device), "attention_backend": self.server_args.attention_backend,
             "max_concurrent_requests_at_context_len": self.max_total_tokens / self.context_len,
+            "fast_paths": fast_paths(self),
         }
 
     # ----------------------------------------------------------- forward

@@ -59,7 +59,9 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 def cache_root() -> Path:
     """radixlm's cache folder: $RADIXLM_CACHE_DIR, else ~/.cache/radixlm."""
-    return Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
+    from ..env import CACHE_DIR
+
+    return Path(CACHE_DIR.get() or Path.home() / ".cache" / "radixlm")
 
 
 def gguf_architecture(gguf_file: str | Path) -> str:

@@ -1,0 +1,141 @@
+"""Every environment variable radixlm reads, in one typed registry (nothing else reads os.environ).
+
+    from radixlm.runtime import env
+    env.DISABLE_CPU_GEMM.get()            # this process's value, typed; the default when unset
+    env.NUM_THREADS.get(some_mapping)     # the value in another environment (a child's)
+    env.child_environ(server_args)        # a copy of os.environ for child processes, every switch
+                                          # set from server_args
+    env.environ_copy()                    # a plain copy of os.environ (for subprocess.Popen)
+
+Each entry has its name, type, default, help text and the ServerArgs field it backs. A field that
+is backed takes the variable's value as its default when ServerArgs is built, and its flag's help
+names the variable, so the order is: flag (or Engine keyword) > environment variable > default.
+
+The C++ kernels (kernels/*) and the layers below the model runner read the registry, not
+ServerArgs. A scheduler is a child process, so the launcher starts every child with
+`child_environ(server_args)`: whatever the flag said is what the kernels see in the child. Code
+that runs a model in its own process without the launcher (unit tests' harnesses) follows this
+process's environment for those switches.
+
+Entries without a field are paths or test switches, not server behaviour: the cache folders and
+`RADIXLM_REQUIRE_REAL_MODEL` (read by tests/real_model.py; .ci/run sets it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: `get()` parses it (ValueError naming the variable when it is bad)."""
+
+    name: str
+    type: type                      # bool, int or str
+    default: Any
+    help: str
+    field: str | None = None        # the ServerArgs field it backs (its flag), or None
+    choices: tuple[str, ...] | None = None
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The value in `environ` (default: this process's environment), or the default when unset."""
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or (raw == "" and self.type is not bool):
+            return self.default
+        return self.parse(raw)
+
+    def parse(self, raw: str) -> Any:
+        if self.type is bool:
+            return raw.strip().lower() not in FALSE_WORDS
+        if self.type is int:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{self.name}={raw!r} is not an integer") from None
+        if self.choices and raw not in self.choices:
+            raise ValueError(f"{self.name}={raw!r} is not one of {', '.join(self.choices)}")
+        return raw
+
+    def format(self, value: Any) -> str | None:
+        """The text that `get` reads back as `value`; None for None (the variable is then unset)."""
+        if value is None:
+            return None
+        if self.type is bool:
+            return "1" if value else "0"
+        return str(value)
+
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _var(name: str, type_: type, default: Any, help_: str, field: str | None = None,
+         choices: tuple[str, ...] | None = None) -> EnvVar:
+    var = EnvVar(name, type_, default, help_, field, choices)
+    REGISTRY[name] = var
+    return var
+
+
+# ------------------------------------------------------------------ CPU threads and memory
+NUM_THREADS = _var("RADIXLM_NUM_THREADS", int, None, "torch threads per scheduler process (default: the "
+                   "available cores // (tp_size * dp_size), at least 1).", "num_threads")
+DISABLE_CPU_PRELOAD = _var("RADIXLM_DISABLE_CPU_PRELOAD", bool, False, "On CPU, do not LD_PRELOAD tcmalloc into "
+                           "the scheduler and detokenizer even when it is installed.", "disable_cpu_preload")
+# ------------------------------------------------------------------ CPU fast paths
+DISABLE_CPU_KERNELS = _var("RADIXLM_DISABLE_CPU_KERNELS", bool, False, "On CPU, use the torch code instead of "
+                           "every radixlm C++ kernel (attention, fused ops, gemm, one-call decoder).",
+                           "disable_cpu_kernels")
+DISABLE_CPU_GEMM = _var("RADIXLM_DISABLE_CPU_GEMM", bool, False, "On CPU, do not use radixlm's AVX512-BF16 "
+                        "gemm: packed bf16 weights then use oneDNN's layout.", "disable_cpu_gemm")
+DISABLE_FUSED_OPS = _var("RADIXLM_DISABLE_FUSED_OPS", bool, False, "On CPU, run RMSNorm, SiLU-and-mul and rotary "
+                         "in torch instead of radixlm's fused C++ ops.", "disable_fused_ops")
+DISABLE_CPU_DECODER = _var("RADIXLM_DISABLE_CPU_DECODER", bool, False, "On CPU, run decode steps through the "
+                           "Python forward, layer by layer, instead of radixlm's one-call C++ decoder (same "
+                           "results; the C++ loop drops the per-op Python work, the CPU counterpart of CUDA "
+                           "graphs).", "disable_cpu_decoder")
+DISABLE_PACKED_WEIGHTS = _var("RADIXLM_DISABLE_PACKED_WEIGHTS", bool, False, "On CPU, keep bf16/fp16 linear "
+                              "weights in their plain layout instead of packing them once (radixlm's "
+                              "AVX512-BF16 gemm layout in 2 MiB pages, else oneDNN's; slower matmuls "
+                              "without).", "disable_packed_weights")
+CPU_KERNEL_ISA = _var("RADIXLM_CPU_KERNEL_ISA", str, None, "SIMD path of the C++ CPU kernels (default: the "
+                      "best this CPU runs, avx512 then avx2).", "cpu_kernel_isa", ("avx512", "avx2"))
+REQUIRE_KERNELS = _var("RADIXLM_REQUIRE_KERNELS", bool, False, "Fail (RuntimeError) when a C++ CPU kernel that "
+                       "is not disabled cannot be built or this CPU has no AVX2/AVX512, instead of warning and "
+                       "using the torch code. .ci/run sets it.", "require_kernels")
+# ------------------------------------------------------------------ paths and test switches
+KERNEL_CACHE = _var("RADIXLM_KERNEL_CACHE", str, None, "Folder of the built C++ kernels (default: "
+                    "~/.cache/radixlm/kernels).")
+CACHE_DIR = _var("RADIXLM_CACHE_DIR", str, None, "radixlm's cache folder: downloaded and converted models "
+                 "(default: ~/.cache/radixlm).")
+REQUIRE_REAL_MODEL = _var("RADIXLM_REQUIRE_REAL_MODEL", bool, False, "Tests: fail instead of skipping when the "
+                          "real model (SmolLM2-135M-Instruct) cannot be obtained. .ci/run sets it.")
+
+BY_FIELD: dict[str, EnvVar] = {v.field: v for v in REGISTRY.values() if v.field}
+
+
+def environ_copy() -> dict[str, str]:
+    """A copy of this process's environment (to pass to a child process, possibly amended)."""
+    return dict(os.environ)
+
+
+def child_environ(server_args: Any, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with every field-backed variable set to the
+    value of its ServerArgs field (removed where the field is None), so a child process reads
+    through the registry what the flags said."""
+    out = dict(os.environ if base is None else base)
+    for var in BY_FIELD.values():
+        text = var.format(getattr(server_args, var.field))
+        if text is None:
+            out.pop(var.name, None)
+        else:
+            out[var.name] = text
+    return out
+
+
+def without_flags() -> list[EnvVar]:
+    """The variables that have no ServerArgs field (shown at the end of --help)."""
+    return [v for v in REGISTRY.values() if v.field is None]

@@ -1,0 +1,101 @@
+"""Which CPU fast paths one scheduler's model runner uses, and why: the startup block's lines.
+
+    fast_paths(runner)   -> {"ISA": "avx512 (the best this CPU runs)", "CPU gemm": "on ...", ...}
+
+Reported by `ModelRunner.info()`, so the launcher prints it once at startup (with its own thread
+and preload lines, see entrypoints/server_info.format_fast_paths) and /get_server_info returns it.
+Reads only: the kernels are loaded (cached per process) before the runner asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...kernels import cpu_ops
+from ...kernels.cpu_build import pick_isa
+from ...kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
+from .. import env
+from ..layers.packed_linear import GemmWeight
+from ..mem_cache.huge_pages import transparent_huge_pages
+from .cpu_decoder import CpuDecoder, _unsupported_reason
+
+NOT_BUILT = "did not build or this CPU lacks its ISA (see the warning above)"
+
+
+def _flag(var: env.EnvVar) -> str:
+    return "--" + str(var.field).replace("_", "-")
+
+
+def _off_reason(own: env.EnvVar | None) -> str:
+    """Why a kernel is not loaded: its own switch, the switch of every kernel, or its build."""
+    for var in (own, env.DISABLE_CPU_KERNELS):
+        if var is not None and var.get():
+            return f"{_flag(var)} / {var.name}"
+    return NOT_BUILT
+
+
+def fast_paths(runner: Any) -> dict[str, str]:
+    """One entry per fast path: "on (...)" or "off (why)". CUDA runners get one line."""
+    args = runner.server_args
+    if runner.device.type != "cpu":
+        return {"device": f"{runner.device}: attention backend {args.attention_backend}; the CPU fast paths "
+                          f"do not apply"}
+    isa, forced = pick_isa(), env.CPU_KERNEL_ISA.get()
+    kernels_off = env.DISABLE_CPU_KERNELS.get()
+    return {
+        "ISA": ("none (--disable-cpu-kernels)" if kernels_off else
+                f"{isa} ({'forced by --cpu-kernel-isa' if forced else 'the best this CPU runs'})" if isa else
+                "none (this CPU has no AVX2+FMA or AVX512)"),
+        "attention kernels": _attention(runner),
+        "fused ops": "on (RMSNorm, SiLU-and-mul, rotary in C++)" if cpu_ops.enabled()
+                     else f"off ({_off_reason(env.DISABLE_FUSED_OPS)})",
+        "CPU gemm": _gemm(),
+        "packed weights": _packed(runner),
+        "one-call decoder": _decoder(runner),
+        "huge pages": f"transparent huge pages: {transparent_huge_pages()}",
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+def _attention(runner: Any) -> str:
+    backend = runner.attn_backend
+    if getattr(backend, "kernels", None) is not None:
+        return "on (C++ paged attention, K/V read in place)"
+    if runner.server_args.attention_backend != "torch_native":
+        return f"off (--attention-backend {runner.server_args.attention_backend})"
+    return f"off ({_off_reason(None)}); the torch gather + SDPA code runs"
+
+
+def _gemm() -> str:
+    if load_cpu_gemm() is not None:
+        return "on (AVX512-BF16 bf16 gemm)"
+    if not (env.DISABLE_CPU_GEMM.get() or env.DISABLE_CPU_KERNELS.get()) and not cpu_supports_gemm():
+        return "off (this CPU has no AVX512-BF16); packed bf16 weights use oneDNN's layout"
+    return f"off ({_off_reason(env.DISABLE_CPU_GEMM)}); packed bf16 weights use oneDNN's layout"
+
+
+def _packed(runner: Any) -> str:
+    args = runner.server_args
+    packed = [m.packed_weight for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    if packed:
+        gemm = sum(isinstance(p, GemmWeight) for p in packed)
+        return f"on ({len(packed)} linear weights: {gemm} in the gemm layout, {len(packed) - gemm} in oneDNN's)"
+    if args.disable_packed_weights:
+        return "off (--disable-packed-weights / RADIXLM_DISABLE_PACKED_WEIGHTS)"
+    if args.enable_torch_compile:
+        return "off (--enable-torch-compile: inductor packs the weights of the graphs it compiles)"
+    return f"off (no bf16/fp16 linear weight that oneDNN packs on this CPU; dtype {runner.dtype})"
+
+
+def _decoder(runner: Any) -> str:
+    args = runner.server_args
+    if isinstance(runner.decode_forward, CpuDecoder):
+        return "on (decode runs every decoder layer in one C++ call)"
+    if args.enable_torch_compile:
+        return "off (--enable-torch-compile)"
+    if args.disable_cpu_decoder:
+        return "off (--disable-cpu-decoder / RADIXLM_DISABLE_CPU_DECODER)"
+    reason = _unsupported_reason(runner.model, runner.kv_cache, runner.attn_backend, args.tp_size)
+    return f"off ({reason or _off_reason(env.DISABLE_CPU_DECODER)})"
