@@ -90,6 +90,10 @@ class ServerArgs:
     disable_cpu_decoder: bool = _f(False, "On CPU, run decode steps through the Python forward, layer by layer, "
                                    "instead of radixlm's one-call C++ decoder (same results; the C++ loop "
                                    "drops the per-op Python work, the CPU counterpart of CUDA graphs).")
+    disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying captured "
+                                  "CUDA graphs (one per batch-size bucket: 1, 2, 4, 8, 16, 24, ...).")
+    cuda_graph_max_bs: int | None = _f(None, "Largest decode batch replayed from a CUDA graph; larger batches "
+                                       "run eagerly (default: --max-running-requests, at most 256).")
     disable_cpu_preload: bool = _f(False, "On CPU, do not LD_PRELOAD tcmalloc into the scheduler and "
                                    "detokenizer even when it is installed.")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
@@ -203,6 +207,8 @@ class ServerArgs:
             raise ValueError("--max-top-logprobs must be >= 0 and --max-connections >= 1")
         if min(self.http_header_timeout, self.http_body_timeout, self.http_send_timeout) <= 0:
             raise ValueError("--http-header-timeout, --http-body-timeout and --http-send-timeout must be > 0")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()
