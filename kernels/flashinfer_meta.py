@@ -28,11 +28,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.utils import ceil_div
+from ..runtime.utils import ceil_div, to_device
 
 
 class PagedMeta(NamedTuple):
-    """FlashInfer's paged-attention metadata for one forward pass (all int32, one device)."""
+    """FlashInfer's paged-attention metadata for one forward pass (all int32; on the table's device,
+    except the indptrs and last-page lengths from `build_paged_meta_host`, which stay on the host)."""
 
     qo_indptr: torch.Tensor         # [bs + 1]  prefix sum of qo_len (query tokens per request)
     kv_indptr: torch.Tensor         # [bs + 1]  prefix sum of pages per request
@@ -81,6 +82,32 @@ def build_decode_meta(req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_le
                       page_size: int, total_pages: int | None = None) -> PagedMeta:
     """Decode case: one query per request (prefix_len = seq_len - 1)."""
     return build_paged_meta(req_to_token, req_rows, seq_lens - 1, seq_lens, page_size, total_pages)
+
+
+def build_paged_meta_host(req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens_cpu: list[int],
+                          seq_lens_cpu: list[int], page_size: int) -> PagedMeta:
+    """`build_paged_meta` from the host's lengths, as SGLang plans: `qo_indptr`, `kv_indptr` and
+    `kv_last_page_len` are built on the CPU from the batch's CPU lengths (FlashInfer's `plan()`
+    reads them on the host, so nothing comes back from the device); `kv_indices` is gathered from
+    the table on its device, after one host-to-device copy of `kv_indptr` (pinned on CUDA).
+
+    Same values as `build_paged_meta` (tests/unit/test_flashinfer_meta.py). Reads the table only.
+    """
+    P = page_size
+    seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
+    qo_lens = seq - torch.tensor(prefix_lens_cpu, dtype=torch.int64)
+    num_pages = (seq + P - 1) // P
+    kv_indptr = _prefix_sum(num_pages)                                  # host
+    total_pages = int(kv_indptr[-1])
+    device = req_to_token.device
+    indptr_dev = to_device(kv_indptr, device).to(torch.int64)
+    rows = req_rows.to(device=device, dtype=torch.int64)
+    counts = indptr_dev[1:] - indptr_dev[:-1]                           # num_pages, on the device
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), counts,
+                                    output_size=total_pages)           # [total_pages]
+    page_k = torch.arange(total_pages, device=device) - indptr_dev[:-1][owner]
+    kv_indices = (req_to_token[rows[owner], page_k * P].to(torch.int64) // P).to(torch.int32)
+    return PagedMeta(_prefix_sum(qo_lens), kv_indptr, kv_indices, ((seq - 1) % P + 1).to(torch.int32))
 
 
 def paged_kv_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from ..runtime.utils import to_device
+
 _BITS_PER_WORD = 32
 
 # dtype of the logits -> (integer dtype of the same width, bit pattern of -inf in that dtype)
@@ -94,7 +96,7 @@ def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
         )
     if mask.dtype != torch.int32:
         raise ValueError(f"apply_vocab_mask: mask must be int32, got {mask.dtype}")
-    mask = mask.to(logits.device, non_blocking=True)
+    mask = to_device(mask, logits.device)                 # pinned staging on CUDA
     view = _INT_VIEWS.get(logits.dtype)
     if view is None or logits.stride(-1) != 1:
         logits.masked_fill_(~vocab_mask_to_bool(mask, vocab_size), float("-inf"))

@@ -110,6 +110,10 @@ class ServerArgs:
     require_kernels: bool = _env("require_kernels")
     num_threads: int | None = _env("num_threads")
     disable_cpu_preload: bool = _env("disable_cpu_preload")
+    disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying captured "
+                                  "CUDA graphs (one per batch-size bucket: 1, 2, 4, 8, 16, 24, ...).")
+    cuda_graph_max_bs: int | None = _f(None, "Largest decode batch replayed from a CUDA graph; larger batches "
+                                       "run eagerly (default: --max-running-requests, at most 256).")
     disable_jump_forward: bool = _f(False, "Decode forced grammar text token by token instead of jumping.")
     grammar_compile_timeout: float = _f(30.0, "Seconds allowed to compile one regex / JSON schema.")
     constrained_json_whitespace_pattern: str | None = _f(None, "Regex for whitespace allowed inside JSON output.")
@@ -230,6 +234,8 @@ class ServerArgs:
             raise ValueError("--max-top-logprobs must be >= 0 and --max-connections >= 1")
         if min(self.http_header_timeout, self.http_body_timeout, self.http_send_timeout) <= 0:
             raise ValueError("--http-header-timeout, --http-body-timeout and --http-send-timeout must be > 0")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()

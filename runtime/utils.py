@@ -54,3 +54,16 @@ def align_down(x: int, page_size: int) -> int:
 def align_up(x: int, page_size: int) -> int:
     """`x` rounded up to a multiple of `page_size` (the end of the page holding token x - 1)."""
     return ceil_div(x, page_size) * page_size
+
+
+def to_device(t, device):
+    """`t` (a CPU tensor) on `device`. On CUDA the copy is staged through pinned (page-locked) host
+    memory and enqueued with `non_blocking=True`, so the host does not wait for the device; torch's
+    caching host allocator keeps the staging block alive until the copy has run. Elsewhere a plain
+    `.to(device)`. Returns `t` itself when it already lives there."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not t.is_cpu:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

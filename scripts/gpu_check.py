@@ -159,8 +159,9 @@ def attention_checks(results: list[Result], dtypes: list[str], head_dim: int) ->
 
 # ---------------------------------------------------------------------- model
 def runner_greedy(model_path: str, backend: str, page_size: int, dtype: str, prompts: list[list[int]],
-                  n_new: int) -> list[list[int]]:
-    """Greedy tokens driven step by step through ModelRunner (one prefill, then decodes)."""
+                  n_new: int, **overrides) -> list[list[int]]:
+    """Greedy tokens driven step by step through ModelRunner (one prefill, then decodes);
+    `overrides` are more ServerArgs fields (e.g. disable_cuda_graph)."""
     from radixlm.runtime.managers.req import Req
     from radixlm.runtime.mem_cache.kv_manager import KVManager
     from radixlm.runtime.model_executor.forward_batch import ForwardMode
@@ -169,7 +170,8 @@ def runner_greedy(model_path: str, backend: str, page_size: int, dtype: str, pro
     from radixlm.runtime.server_args import ServerArgs
 
     args = ServerArgs(model_path=model_path, device=DEVICE, dtype=dtype, attention_backend=backend,
-                      page_size=page_size, max_total_tokens=8192, max_running_requests=16).resolved()
+                      page_size=page_size, max_total_tokens=8192, max_running_requests=16,
+                      **overrides).resolved()
     runner = ModelRunner(args)
     kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
                    runner.device, disable_radix_cache=True)

@@ -68,16 +68,15 @@ def enabled() -> bool:
 
 def fits(*tensors: Tensor) -> bool:
     """True when the ops are loaded and take these tensors: CPU, one dtype of fp32/bf16/fp16,
-    1 to 3 dims with a contiguous last dim. (Called per layer per step: kept cheap.)"""
-    if not enabled():
-        return False
+    1 to 3 dims with a contiguous last dim. (Called per layer per step: kept cheap.) Checks the
+    tensors first, so tensors off the CPU (CUDA, meta) never trigger the extension's build."""
     dtype = tensors[0].dtype
     if dtype not in _DTYPES:
         return False
     for t in tensors:
         if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1 or not 1 <= t.dim() <= 3:
             return False
-    return True
+    return enabled()
 
 
 def call(name: str, *args) -> None:

@@ -15,11 +15,27 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None   # gloo group for Python objects (scheduler messages)
 
 
-def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str = "env://") -> None:
-    """Joins the TP group of `size` ranks (NCCL on CUDA, gloo on CPU). Call once per process."""
+def gpu_index(dp_rank: int, tp_rank: int, tp_size: int, device_count: int, nnodes: int = 1) -> int:
+    """The local GPU of one scheduler process: `dp_rank * tp_size + tp_rank`, so DP replicas and
+    TP ranks each get their own GPU (with nnodes > 1, the TP ranks are split evenly over the nodes
+    and the index counts this node's share). Raises ValueError when the machine has too few GPUs."""
+    local_tp = max(tp_size // max(nnodes, 1), 1)
+    index = dp_rank * local_tp + tp_rank % local_tp
+    if index >= device_count:
+        raise ValueError(f"Scheduler dp{dp_rank} tp{tp_rank} needs GPU {index}, but this machine has "
+                         f"{device_count}; --dp-size x --tp-size (per node) must not exceed the GPU count")
+    return index
+
+
+def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str = "env://",
+                  device: torch.device | None = None) -> None:
+    """Joins the TP group of `size` ranks (NCCL on CUDA, gloo on CPU). Call once per process.
+    For NCCL, `device` becomes this process's current CUDA device first (NCCL binds to it)."""
     global _TP_RANK, _TP_SIZE, _TP_GROUP
     if not 0 <= rank < size:
         raise ValueError(f"TP rank {rank} is outside [0, {size})")
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
     if size > 1:
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)

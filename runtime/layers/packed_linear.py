@@ -101,7 +101,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             weight_users[id(p)] = weight_users.get(id(p), 0) + 1
-    gemm = load_cpu_gemm()
+    gemm = load_cpu_gemm() if modules else None      # no CPU weight, no C++ build (CUDA runs)
     in_gemm = {id(m) for m in modules if gemm is not None and _gemm_fits(m.weight, getattr(m, "bias", None))}
     arena = huge_page_empty(sum(gemm.packed_numel(*m.weight.shape) for m in modules if id(m) in in_gemm),
                             torch.bfloat16) if in_gemm else None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from ..utils import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -186,7 +187,7 @@ def _mix64(x: int) -> int:
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)   # pinned staging on CUDA
 
 
 def _flat_pairs(token_lists: list[list[int]], device: torch.device | str

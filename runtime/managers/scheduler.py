@@ -49,7 +49,7 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
         self.args = server_args
         self.tp_rank, self.dp_rank = tp_rank, dp_rank
-        self.runner = runner = ModelRunner(server_args, tp_rank)
+        self.runner = runner = ModelRunner(server_args, tp_rank, dp_rank)
         self.kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
                             runner.device, server_args.disable_radix_cache)
         self.prefix_cache = self.kv.prefix_cache

@@ -88,6 +88,9 @@ class KVManager:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, device)
         self.allocator = TokenToKVPoolAllocator(num_pages, page_size, device)
         self.prefix_cache = make_prefix_cache(disable_radix_cache, page_size, device)
+        # row -> (end, slot of token end-1) as `alloc_extend` last wrote it: a host copy, so that
+        # continuing a partly filled page (page_size > 1) reads no slot back from a device table
+        self._tail_slot: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------- sizes
     @property
@@ -147,6 +150,7 @@ class KVManager:
         if row is None:
             return False
         prefix_len = len(match.kv_indices)
+        self._tail_slot.pop(row, None)
         write_slots(self.req_to_token_pool.req_to_token, [row], [0], [prefix_len], match.kv_indices)
         req.req_pool_idx, req.prefix_indices, req.last_node = row, match.kv_indices, match.last_node
         req.cached_len = prefix_len
@@ -172,11 +176,32 @@ class KVManager:
             return None
         table = self.req_to_token_pool.req_to_token
         rows = [req.req_pool_idx for req in reqs]
-        last_locs = [int(table[row, p - 1]) if p else 0 for row, p in zip(rows, prefix_lens)]
-        loc = self.allocator.alloc_extend(prefix_lens, ends, last_locs)
+        loc = self.allocator.alloc_extend(prefix_lens, ends, self._last_locs(rows, prefix_lens))
         assert loc is not None, "allocation failed after ensure_free"
         write_slots(table, rows, prefix_lens, ends, loc)
+        if self.page_size > 1 and loc.numel():
+            last = (torch.tensor(ends) - torch.tensor(prefix_lens)).cumsum(0) - 1
+            for row, p, end, slot in zip(rows, prefix_lens, ends, loc[last.clamp(min=0)].tolist()):
+                if end > p:
+                    self._tail_slot[row] = (end, slot)
         return loc
+
+    def _last_locs(self, rows: list[int], prefix_lens: list[int]) -> list[int]:
+        """The slot of token prefix_len-1 of each row, which the page allocator reads only when
+        that token's page is partly filled (page_size > 1, prefix_len not page-aligned): from the
+        host copy when it is current, else read from the table (a device sync on CUDA)."""
+        P = self.page_size
+        if P == 1:
+            return [0] * len(rows)
+        table = self.req_to_token_pool.req_to_token
+        out = []
+        for row, p in zip(rows, prefix_lens):
+            if p % P == 0:
+                out.append(0)
+            else:
+                end, slot = self._tail_slot.get(row, (-1, 0))
+                out.append(slot if end == p else int(table[row, p - 1]))
+        return out
 
     # ----------------------------------------------------------- caching
     def cache_finished_req(self, req: KVReq) -> None:
@@ -219,6 +244,7 @@ class KVManager:
     def flush(self) -> None:
         """Forgets the whole cache and frees every slot and row. Only valid with no request running."""
         self.prefix_cache.reset()
+        self._tail_slot.clear()
         self.allocator.clear()
         self.req_to_token_pool.clear()
 

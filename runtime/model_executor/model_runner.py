@@ -24,6 +24,8 @@ from ..models.model_config import ModelConfig
 from ..server_args import ServerArgs
 from .compiled_decode import CompiledDecode
 from .cpu_decoder import CpuDecoder
+from .cuda_graph_runner import DEFAULT_MAX_BS as DEFAULT_GRAPH_MAX_BS
+from .cuda_graph_runner import CudaGraphRunner
 from .fast_paths import fast_paths
 from .forward_batch import ForwardBatch, ForwardMode
 
@@ -42,14 +44,14 @@ class LogitsOutput:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, tp_rank: int = 0):
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
         self.server_args = server_args
         self.tp_rank = tp_rank
-        self.device = torch.device(server_args.device if server_args.device != "cuda"
-                                   else f"cuda:{tp_rank % max(torch.cuda.device_count(), 1)}")
+        self.device = self._pick_device(dp_rank)
         torch.manual_seed(server_args.random_seed)
         self.model_config = ModelConfig.from_path(server_args.model_path, dtype=server_args.dtype,
-                                                  context_length=server_args.context_length)
+                                                  context_length=server_args.context_length,
+                                                  device=self.device.type)
         self._init_distributed()
         from ..models.weight_loader import load_model
 
@@ -63,6 +65,7 @@ class ModelRunner:
             self._pick_backend(), num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
             head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype)
         self.decode_forward = self._pick_decode_forward()
+        self.graph_runner = self._make_graph_runner()
 
     def _pick_decode_forward(self) -> CompiledDecode | CpuDecoder:
         """torch.compile when asked for; on CPU the one-call C++ decoder where it applies; else eager."""
@@ -76,7 +79,33 @@ class ModelRunner:
                 return decoder
         return CompiledDecode(self.model, False)
 
+    def _make_graph_runner(self) -> CudaGraphRunner | None:
+        """CUDA graphs for decode: on CUDA with FlashInfer, unless --disable-cuda-graph or
+        --enable-torch-compile. Captures every bucket now (logged)."""
+        args = self.server_args
+        if self.device.type != "cuda" or args.disable_cuda_graph or args.enable_torch_compile:
+            return None
+        from ..layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+        if not isinstance(self.attn_backend, FlashInferAttnBackend):
+            return None
+        max_bs = args.cuda_graph_max_bs or min(self.max_running_requests, DEFAULT_GRAPH_MAX_BS)
+        return CudaGraphRunner(self.model, self.kv_cache, self.attn_backend, max_bs)
+
     # ------------------------------------------------------------- setup
+    def _pick_device(self, dp_rank: int) -> torch.device:
+        """CPU, or this scheduler's own GPU (`parallel_state.gpu_index`), made the current CUDA
+        device before anything is allocated or NCCL starts."""
+        args = self.server_args
+        if args.device != "cuda":
+            return torch.device(args.device)
+        from ..distributed.parallel_state import gpu_index
+
+        device = torch.device("cuda", gpu_index(dp_rank, self.tp_rank, args.tp_size,
+                                                torch.cuda.device_count(), args.nnodes))
+        torch.cuda.set_device(device)
+        return device
+
     def _pick_backend(self) -> str:
         name = self.server_args.attention_backend
         if name == "flashinfer":
@@ -96,7 +125,7 @@ class ModelRunner:
         cfg.check_tp_size(tp)
         if tp > 1 and not ps.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            ps.init_tp_group(self.tp_rank, tp, backend, f"tcp://{self.server_args.dist_init_addr}")
+            ps.init_tp_group(self.tp_rank, tp, backend, f"tcp://{self.server_args.dist_init_addr}", self.device)
         self.num_local_heads = cfg.num_heads // tp
         self.num_local_kv_heads = cfg.num_kv_heads_per_rank(tp)
 
@@ -163,10 +192,13 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch, extra_logit_rows: list[int] | None = None) -> LogitsOutput:
         """Runs the model; returns logits at each request's last new token, plus at `extra_logit_rows`
         (flat token rows of this batch, for input logprobs)."""
-        self.attn_backend.init_forward_metadata(fb)
-        if fb.forward_mode.is_decode:
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            hidden = self.graph_runner(fb)                             # [bs, hidden]; plans itself
+        elif fb.forward_mode.is_decode:
+            self.attn_backend.init_forward_metadata(fb)
             hidden = self.decode_forward(fb)                           # [bs, hidden]
         else:
+            self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)        # [num_tokens, hidden]
         extra = extra_logit_rows or []
         if fb.forward_mode.is_decode and not extra:                    # one row per request already

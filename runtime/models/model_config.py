@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 
 from ..layers.rotary import SUPPORTED_ROPE_TYPES
 from .registry import SUPPORTED_ARCHITECTURES
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -56,10 +59,11 @@ class ModelConfig:
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
-                  revision: str | None = None) -> ModelConfig:
+                  revision: str | None = None, device: str = "cpu") -> ModelConfig:
         """Reads `path`/config.json (resolving a hub id first if `path` is not a local folder).
 
-        For a .gguf file, reads the config converted from its metadata (written on first use)."""
+        For a .gguf file, reads the config converted from its metadata (written on first use).
+        `device` ("cpu" or "cuda") only matters for `dtype="auto"` (see `resolve_dtype`)."""
         gguf_file = str(Path(path).expanduser().resolve()) if is_gguf_file(path) else None
         if gguf_file:
             from .gguf_loader import materialize_gguf
@@ -72,13 +76,14 @@ class ModelConfig:
             raise ModelLoadError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
         arch = _check_architecture(hf)
         try:
-            config = ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length)
+            config = ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length, device)
         except KeyError as err:
             raise ModelLoadError(f"{str(folder / 'config.json')!r} lacks the field {err.args[0]!r}") from None
         return dataclasses.replace(config, gguf_file=gguf_file) if gguf_file else config
 
     @staticmethod
-    def _from_hf(folder: str, hf: dict, arch: str, dtype: str, context_length: int | None) -> ModelConfig:
+    def _from_hf(folder: str, hf: dict, arch: str, dtype: str, context_length: int | None,
+                 device: str = "cpu") -> ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         max_pos = int(hf.get("max_position_embeddings") or 2048)
         theta, scaling = _rope_settings(hf)
@@ -95,7 +100,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
             context_len=_context_len(context_length, max_pos),
-            dtype=_resolve_dtype(dtype, hf),
+            dtype=resolve_dtype(dtype, hf, device),
             eos_token_ids=_eos_token_ids(hf, _read_json(Path(folder) / "generation_config.json") or {}),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_theta=theta,
@@ -193,13 +198,19 @@ def _context_len(context_length: int | None, max_pos: int) -> int:
     return context_length
 
 
-def _resolve_dtype(dtype: str, hf: dict) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype (float32 when config.json names none)."""
+def resolve_dtype(dtype: str, hf: dict, device: str = "cpu") -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 when config.json names none), except on CUDA,
+    where a float32 checkpoint is served in bfloat16 (as SGLang serves it on GPUs, and what the
+    FlashInfer kernels take); that choice is logged. An explicit dtype is taken as given."""
     if dtype == "auto":
         name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         name = str(name).removeprefix("torch.")
         if name not in DTYPES:
             raise ModelLoadError(f"config.json has dtype {name!r}; pass --dtype explicitly")
+        if DTYPES[name] == torch.float32 and str(device).startswith("cuda"):
+            logger.info("--dtype auto: the checkpoint is float32 (or names no dtype); serving it in "
+                        "bfloat16 on CUDA (pass --dtype float32 to keep float32)")
+            return torch.bfloat16
         return DTYPES[name]
     if dtype not in DTYPES:
         raise ModelLoadError(f"Unknown dtype {dtype!r}; choose from auto, bfloat16, float16, float32")

@@ -18,6 +18,7 @@ from radixlm.kernels.flashinfer_meta import (
     PagedMeta,
     build_decode_meta,
     build_paged_meta,
+    build_paged_meta_host,
     paged_kv_view,
     total_pages_of,
 )
@@ -157,6 +158,22 @@ def test_meta_without_total_pages_hint(page_size: int) -> None:
     plain = build_paged_meta(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.prefix_lens,
                              fb.seq_lens, P)
     assert all(torch.equal(a, b) for a, b in zip(hinted, plain, strict=True))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("case", [0, 1, 2, -1])
+def test_host_built_meta_equals_device_built(page_size: int, case: int) -> None:
+    """The backend plans with indptrs built on the host from the CPU lengths; they must be the
+    device-built metadata exactly (the indices gathered on the table's device)."""
+    lens = CASES[case] if case >= 0 else [(s - 1, s) for s in (1, 9, 16, 17, 40, 64)]
+    fb, _, _, _ = make_batch(lens, page_size, 4, 2, 8, seed=case + 20)
+    table = fb.req_to_token_pool.req_to_token
+    device_built = build_paged_meta(table, fb.req_pool_indices, fb.prefix_lens, fb.seq_lens, page_size)
+    host_built = build_paged_meta_host(table, fb.req_pool_indices, fb.prefix_lens_cpu, fb.seq_lens_cpu,
+                                       page_size)
+    for name, a, b in zip(PagedMeta._fields, device_built, host_built, strict=True):
+        assert b.dtype == torch.int32 and torch.equal(a, b), name
+    assert host_built.qo_indptr.is_cpu and host_built.kv_indptr.is_cpu and host_built.kv_last_page_len.is_cpu
 
 
 @pytest.mark.skipif(not HAS_TORCH_NATIVE, reason="torch_native backend not written yet")

@@ -23,7 +23,15 @@ FlashInfer API facts used here (from its docs and source; no code copied):
   `[num_pages, page_size, num_kv_heads, head_dim]` for "NHD"; q is `[nnz, num_qo_heads, head_dim]`
   (decode: `[batch, ...]`); returns the output with q's shape. Causal prefill aligns the queries
   with the last qo_len KV positions.
-- `plan` copies the index tensors to the host, so it must not run inside a CUDA graph.
+- `plan` reads the indptrs on the host (a device->host copy when they live on the device), so it
+  must not run inside a CUDA graph; we build them on the host (`build_paged_meta_host`).
+- Both wrappers take `backend=`: "auto" picks FA3 for paged prefill on SM90 (three JIT modules per
+  dtype); we pin "fa2", as SGLang does (FlashInfer issue 1340: FA3 paged was slower there).
+- The float workspace "must be initialized to 0 for its first use" (the wrappers' docstring).
+- CUDA graphs: `BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
+  use_tensor_cores=..., paged_kv_indptr_buffer=[bs + 1], paged_kv_indices_buffer=[max pages],
+  paged_kv_last_page_len_buffer=[bs], backend=...)` has a fixed batch size; its `plan()` copies
+  into those buffers, so a graph captured over `run()` replays with whatever the last plan wrote.
 """
 
 from __future__ import annotations
@@ -32,15 +40,14 @@ import torch
 
 from ....kernels.flashinfer_meta import (
     PagedMeta,
-    build_decode_meta,
-    build_paged_meta,
+    build_paged_meta_host,
     paged_kv_view,
-    total_pages_of,
 )
 from ...model_executor.forward_batch import ForwardBatch
 from .base import AttentionBackend, RadixAttention, register_backend
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+FLASHINFER_KERNEL_BACKEND = "fa2"   # both wrappers; "auto" would JIT FA3 modules on SM90 too
 # FlashInfer's FA2 kernels dispatch on these head dims; others are not validated by the library
 # (not a multiple of 64: illegal memory access; not a multiple of 16: silently wrong results,
 # flashinfer-ai/flashinfer#4299), so we refuse them up front.
@@ -86,10 +93,24 @@ class FlashInferAttnBackend(AttentionBackend):
             raise RuntimeError("The flashinfer attention backend needs FlashInfer: "
                                "pip install 'radixlm[cuda]' (flashinfer-python)") from exc
         self._init_state(num_heads, num_kv_heads, head_dim, page_size, device, dtype, sm_scale)
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(num_heads, num_kv_heads))
+        self._flashinfer = flashinfer
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND)
+        self.decode_wrapper = self._new_decode_wrapper()
+        self._pass_decode_wrapper = self.decode_wrapper
+
+    def _new_decode_wrapper(self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """A decode wrapper on the shared workspace; with `graph_buffers` (indptr [bs + 1], indices,
+        last_page_len [bs], int32 on the device) a CUDA-graph one of batch size bs over them."""
+        kwargs = {}
+        if graph_buffers is not None:
+            indptr, indices, last = graph_buffers
+            kwargs = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                          paged_kv_last_page_len_buffer=last)
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(self.num_heads, self.num_kv_heads),
+            backend=FLASHINFER_KERNEL_BACKEND, **kwargs)
 
     def _init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                     device: torch.device | str, dtype: torch.dtype, sm_scale: float | None) -> None:
@@ -99,36 +120,44 @@ class FlashInferAttnBackend(AttentionBackend):
         self.device = torch.device(device)
         self.dtype = dtype
         self.sm_scale = sm_scale if sm_scale is not None else head_dim ** -0.5
+        self._pass_decode_wrapper = None     # the decode wrapper the last plan_decode planned
 
     # ------------------------------------------------------------ once per pass
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Builds the paged metadata and plans the wrapper this pass uses; stores the metadata on
-        `forward_batch.attn_metadata`. Syncs with the host (plan copies indptrs to the CPU)."""
+        `forward_batch.attn_metadata`. No device->host sync: the indptrs are built on the host."""
         fb = forward_batch
         table = fb.req_to_token_pool.req_to_token
-        total_pages = total_pages_of(fb.seq_lens_cpu, self.page_size)
         kv_dtype = fb.kv_cache.dtype
+        meta = build_paged_meta_host(table, fb.req_pool_indices, fb.prefix_lens_cpu, fb.seq_lens_cpu,
+                                     self.page_size)
         if fb.forward_mode.is_decode:
-            meta = build_decode_meta(table, fb.req_pool_indices, fb.seq_lens, self.page_size, total_pages)
-            self.decode_wrapper.plan(
-                meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
+            self.plan_decode(self.decode_wrapper, meta, kv_dtype)
         else:
-            meta = build_paged_meta(table, fb.req_pool_indices, fb.prefix_lens, fb.seq_lens,
-                                    self.page_size, total_pages)
             self.prefill_wrapper.plan(
                 meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                 causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
         fb.attn_metadata = meta
 
+    def plan_decode(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype) -> None:
+        """Plans `wrapper` (the eager decode wrapper, or a CUDA-graph one whose batch size is
+        `meta.batch_size`) and makes it the one the next decode layers run. Never inside a capture."""
+        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
+        self._pass_decode_wrapper = wrapper
+
+    def new_graph_decode_wrapper(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor):
+        """A CUDA-graph decode wrapper of batch size `last_page_len.numel()` over these fixed buffers."""
+        return self._new_decode_wrapper((indptr, indices, last_page_len))
+
     # ------------------------------------------------------------ per layer
     def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         return self._run(self.prefill_wrapper, q, layer, fb)
 
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self._run(self.decode_wrapper, q, layer, fb)
+        return self._run(self._pass_decode_wrapper, q, layer, fb)
 
     def _run(self, wrapper, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: same shape, in self.dtype

@@ -1,0 +1,223 @@
+"""The phases of scripts/gpu_check.sh, one process each (the shell enforces each deadline).
+
+    python scripts/gpu_check_phases.py --list                       # "name deadline_s" per phase
+    python scripts/gpu_check_phases.py --phase NAME --results DIR   # runs one, appends its line
+
+Each phase appends one line to DIR/results.txt: `NAME PASS|FAIL|SKIP <seconds>s <detail>`.
+Models are built once into DIR/models (tiny random models with head_dim 64, a SmolLM2-shaped
+random Llama); bf16 only, FlashInfer with backend fa2. The SmolLM2 GGUF (about 93 MB) does not
+fit the 64 MiB that travels to the GPU machine, so SmolLM2's own weights are not checked there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+H200_BYTES_PER_S = 4.8e12     # HBM3e bandwidth of one H200, for the decode roofline
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    deadline_s: int
+    run: object               # (results_dir: Path) -> (ok | None for skip, detail)
+
+
+def _results(checks: list) -> tuple[bool, str]:
+    failed = [r for r in checks if r.status == "FAIL"]
+    detail = f"{len(checks) - len(failed)}/{len(checks)} ok" + "".join(f"; FAIL {r.name}: {r.detail}" for r in failed)
+    return not failed, detail
+
+
+def phase_flashinfer_jit(_: Path) -> tuple[bool, str]:
+    import flashinfer
+    import torch
+    from gpu_check import check_attention
+
+    ok, detail = check_attention("flashinfer", "DECODE", 1, torch.bfloat16, 8, 2, 64)
+    return ok, f"flashinfer {flashinfer.__version__}, decode JIT + run: {detail}"
+
+
+def phase_attention(_: Path) -> tuple[bool, str]:
+    import gpu_check
+
+    checks: list = []
+    gpu_check.attention_checks(checks, ["bfloat16"], 64)      # ragged / prefix / mixed / decode, P 1 and 16
+    return _results(checks)
+
+
+def tiny_d64(results_dir: Path) -> dict[str, str]:
+    """The head_dim-64 tiny models, built once under results_dir/models."""
+    import gpu_check
+
+    folder = results_dir / "models"
+    done = folder / "DONE"
+    if not done.exists():
+        gpu_check.tiny_model_paths(str(folder))
+        done.write_text("ok\n")
+    return {n: str(folder / n) for n in ("llama-d64", "qwen2-d64", "qwen3-d64")}
+
+
+def phase_greedy_hf(results_dir: Path) -> tuple[bool, str]:
+    import gpu_check
+
+    checks: list = []
+    gpu_check.model_checks(checks, tiny_d64(results_dir), "bfloat16", 16, 0.15)
+    ok, detail = _results(checks)
+    return ok, detail + "; SmolLM2 weights not checked (GGUF ~93 MB does not travel)"
+
+
+def phase_cuda_graphs(results_dir: Path) -> tuple[bool, str]:
+    import torch
+    from gpu_check import runner_greedy
+
+    path = tiny_d64(results_dir)["llama-d64"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 23, 61)]   # bucket 4: 1 pad row
+    notes = []
+    for P in (1, 16):
+        on = runner_greedy(path, "flashinfer", P, "bfloat16", prompts, 12)
+        off = runner_greedy(path, "flashinfer", P, "bfloat16", prompts, 12, disable_cuda_graph=True)
+        if on != off:
+            return False, f"P={P}: graphs on {on} != off {off}"
+        notes.append(f"P={P} identical")
+    return True, ", ".join(notes)
+
+
+def phase_engine(results_dir: Path) -> tuple[bool, str]:
+    import radixlm
+
+    path = tiny_d64(results_dir)["llama-d64"]
+    prompts = [[5 + i, 17, 33, 90 + i, 12, 7, 7, 41] * 4 for i in range(3)]
+    params = {"max_new_tokens": 8, "temperature": 0}
+    with radixlm.Engine(model_path=path, dtype="bfloat16", max_total_tokens=8192) as engine:
+        first = engine.generate(input_ids=prompts, sampling_params=params)
+        again = engine.generate(input_ids=prompts, sampling_params=params)
+        chunks = list(engine.generate(input_ids=prompts[0], sampling_params=params, stream=True))
+    same = [a["output_ids"] for a in first] == [b["output_ids"] for b in again]
+    cached = [b["meta_info"]["cached_tokens"] for b in again]
+    ok = same and all(c > 0 for c in cached) and len(chunks) >= 1 and all(len(a["output_ids"]) == 8 for a in first)
+    return ok, f"repeat identical {same}, cached tokens on repeat {cached}, {len(chunks)} stream chunks"
+
+
+def smollm2_shaped(results_dir: Path) -> str:
+    """A random Llama with SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152), bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = results_dir / "models" / "smollm2-shaped"
+    if not (folder / "config.json").exists():
+        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                             tie_word_embeddings=True, rope_theta=100000.0, initializer_range=0.1)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    return str(folder)
+
+
+def decode_rate(path: str, bs: int, steps: int = 32, prompt_len: int = 128) -> tuple[float, float]:
+    """(tok/s, weight bytes) of greedy decode steps at batch bs through ModelRunner (CUDA graphs on)."""
+    import torch
+    from gpu_check import DEVICE
+
+    from radixlm.runtime.managers.req import Req
+    from radixlm.runtime.mem_cache.kv_manager import KVManager
+    from radixlm.runtime.model_executor.forward_batch import ForwardMode
+    from radixlm.runtime.model_executor.model_runner import ModelRunner
+    from radixlm.runtime.sampling_params import SamplingParams
+    from radixlm.runtime.server_args import ServerArgs
+
+    args = ServerArgs(model_path=path, device=DEVICE, dtype="bfloat16", max_total_tokens=bs * 256 + 512,
+                      max_running_requests=max(bs, 4), cuda_graph_max_bs=max(bs, 1)).resolved()
+    runner = ModelRunner(args)
+    kv = KVManager(runner.num_pages, 1, runner.max_running_requests, runner.context_len, runner.device, True)
+    reqs = [Req(rid=str(i), origin_input_ids=[(7 * i + j) % 40000 + 3 for j in range(prompt_len)],
+                sampling_params=SamplingParams()) for i in range(bs)]
+    for req in reqs:
+        assert kv.admit(req, kv.match_prefix([]))
+    rows, lens = [r.req_pool_idx for r in reqs], [prompt_len] * bs
+    loc = kv.alloc_extend(reqs, lens)
+    fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for r in reqs for t in r.origin_input_ids], rows,
+                                   [0] * bs, lens, loc, kv.req_to_token_pool)
+    ids = runner.forward(fb).next_token_logits.argmax(-1).tolist()
+    start = 0.0
+    for step in range(steps + 2):                     # 2 warm-up steps
+        if step == 2:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        for req, n in zip(reqs, lens):
+            req.cached_len = n
+        loc = kv.alloc_extend(reqs, [1] * bs)
+        seq = [n + 1 for n in lens]
+        fb = runner.make_forward_batch(ForwardMode.DECODE, ids, rows, lens, seq, loc, kv.req_to_token_pool)
+        ids = runner.forward(fb).next_token_logits.argmax(-1).tolist()
+        lens = seq
+    elapsed = time.perf_counter() - start
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return bs * steps / elapsed, weight_bytes
+
+
+def phase_decode_tps(results_dir: Path) -> tuple[bool, str]:
+    path = smollm2_shaped(results_dir)
+    parts = []
+    for bs in (1, 16, 64):
+        rate, weight_bytes = decode_rate(path, bs)
+        step_s = bs / rate
+        roofline = weight_bytes / H200_BYTES_PER_S
+        parts.append(f"bs={bs}: {rate:.0f} tok/s ({step_s * 1e3:.2f} ms/step, weight-read roofline "
+                     f"{roofline * 1e3:.3f} ms = {100 * roofline / step_s:.0f}%)")
+    return True, "SmolLM2-shaped bf16, CUDA graphs: " + "; ".join(parts)
+
+
+PHASES = [
+    Phase("flashinfer_jit", 150, phase_flashinfer_jit),
+    Phase("attention", 80, phase_attention),
+    Phase("greedy_hf", 60, phase_greedy_hf),
+    Phase("cuda_graphs", 40, phase_cuda_graphs),
+    Phase("engine", 40, phase_engine),
+    Phase("decode_tps", 50, phase_decode_tps),
+]
+
+
+def run_phase(name: str, results_dir: Path) -> int:
+    """Runs one phase and appends its line to results.txt; exit 0 unless it failed."""
+    phase = next(p for p in PHASES if p.name == name)
+    start = time.time()
+    try:
+        ok, detail = phase.run(results_dir)
+    except Exception as exc:  # noqa: BLE001 - a phase error is a FAIL line, traceback in its log
+        traceback.print_exc()
+        ok, detail = False, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    status = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+    line = f"{name} {status} {time.time() - start:.0f}s {detail}"
+    print(line, flush=True)
+    with open(results_dir / "results.txt", "a") as f:
+        f.write(line + "\n")
+    return 1 if status == "FAIL" else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print 'name deadline_s' per phase")
+    parser.add_argument("--phase", choices=[p.name for p in PHASES])
+    parser.add_argument("--results", type=Path)
+    args = parser.parse_args()
+    if args.list:
+        for p in PHASES:
+            print(p.name, p.deadline_s)
+        return 0
+    if not (args.phase and args.results):
+        parser.error("--phase and --results are required (or --list)")
+    args.results.mkdir(parents=True, exist_ok=True)
+    return run_phase(args.phase, args.results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
