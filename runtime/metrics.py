@@ -1,4 +1,12 @@
-"""Prometheus metrics (`GET /metrics`), all under the `radixlm:` prefix.
+"""Prometheus metrics (`GET /metrics`): radixlm's own under `radixlm:`, plus the names gateways read.
+
+Gateways and dashboards built for other engines read those engines' names, so the load gauges are
+exported under them too (same values, `model_name` label, see `ALIASES`): SGLang's
+`sglang:num_running_reqs`, `num_queue_reqs`, `token_usage`, `cache_hit_rate`, `gen_throughput`
+(SGLang's Model Gateway, its dashboards), and vLLM's `vllm:num_requests_running`,
+`num_requests_waiting`, `kv_cache_usage_perc` and the older `gpu_cache_usage_perc` (the Gateway API
+inference extension's endpoint picker, llm-d, KServe read these by default), plus the info gauge
+`vllm:cache_config_info{block_size, num_gpu_blocks}`.
 
 The TokenizerManager calls the per-request hooks (`observe_ttft`, `observe_itl`,
 `on_request_finished`) and feeds each `SchedulerStats` push to `update_scheduler_stats`.
@@ -40,18 +48,38 @@ _CUMULATIVE_FIELDS = {
 }
 
 
+# alias name -> the radixlm gauge attribute it mirrors (every alias is a Gauge with `model_name`)
+ALIASES = {
+    "sglang:num_running_reqs": "num_requests_running",
+    "sglang:num_queue_reqs": "num_requests_waiting",
+    "sglang:token_usage": "kv_cache_usage",
+    "sglang:cache_hit_rate": "cache_hit_rate",
+    "sglang:gen_throughput": "gen_throughput",
+    "sglang:max_total_num_tokens": "max_total_tokens",
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+}
+
+
 class MetricsCollector:
     """Owns the gauges, counters and histograms of one server. Thread-safe."""
 
-    def __init__(self, model_name: str = "default") -> None:
+    def __init__(self, model_name: str = "default", page_size: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.page_size = page_size
         self._lock = threading.Lock()
         self._last_cumulative: dict[int, dict[str, int]] = {}   # dp_rank -> field -> last value
         self._rank_gauges: dict[int, SchedulerStats] = {}        # dp_rank -> latest stats
         self._make_gauges()
         self._make_counters()
         self._make_histograms()
+        self._aliases = self._make_aliases()
+        self._cache_config = Gauge("vllm:cache_config_info", "KV cache layout (value 1; the labels carry it).",
+                                   ["block_size", "num_gpu_blocks"], registry=self.registry)
+        self._cache_config_labels: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------ construction
     def _gauge(self, name: str, doc: str) -> Gauge:
@@ -72,6 +100,23 @@ class MetricsCollector:
         self.radix_cache_tokens = self._gauge("radix_cache_tokens", "Tokens in the evictable prefix cache.")
         self.max_total_tokens = self._gauge("max_total_tokens", "KV pool size in tokens.")
         self.gen_throughput = self._gauge("gen_throughput", "Generation throughput (tokens/s) of the last stats.")
+        self.cache_hit_rate = self._gauge(
+            "cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
+
+    def _make_aliases(self) -> dict[str, list[Gauge]]:
+        """One Gauge per name in ALIASES; returns radixlm attribute -> its alias gauges."""
+        out: dict[str, list[Gauge]] = {}
+        for name, attr in ALIASES.items():
+            doc = f"Same as {PREFIX}{attr} (the name other engines' gateways and dashboards read)."
+            gauge = Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+            out.setdefault(attr, []).append(gauge)
+        return out
+
+    def _set(self, attr: str, value: float) -> None:
+        """Sets the radixlm gauge `attr` and every alias of it."""
+        getattr(self, attr).set(value)
+        for gauge in self._aliases.get(attr, ()):
+            gauge.set(value)
 
     def _make_counters(self) -> None:
         self.prefix_cache_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
@@ -128,17 +173,26 @@ class MetricsCollector:
     def _set_gauges(self, ranks: list[SchedulerStats]) -> None:
         total = sum(s.max_total_tokens for s in ranks)
         used = sum(s.kv_used_tokens for s in ranks)
-        self.num_requests_running.set(sum(s.num_running_reqs for s in ranks))
-        self.num_requests_waiting.set(sum(s.num_waiting_reqs + s.num_grammar_queue_reqs for s in ranks))
-        self.kv_cache_usage.set(used / total if total > 0 else 0.0)
+        self._set("num_requests_running", sum(s.num_running_reqs for s in ranks))
+        self._set("num_requests_waiting", sum(s.num_waiting_reqs + s.num_grammar_queue_reqs for s in ranks))
+        self._set("kv_cache_usage", used / total if total > 0 else 0.0)
         self.radix_cache_tokens.set(sum(s.kv_evictable_tokens for s in ranks))
-        self.max_total_tokens.set(total)
-        self.gen_throughput.set(sum(s.gen_throughput for s in ranks))
+        self.set_max_total_tokens(total)
+        self._set("gen_throughput", sum(s.gen_throughput for s in ranks))
+        queries = sum(last.get("prefix_cache_queries", 0) for last in self._last_cumulative.values())
+        hits = sum(last.get("prefix_cache_hits", 0) for last in self._last_cumulative.values())
+        self._set("cache_hit_rate", hits / queries if queries > 0 else 0.0)
 
     # ------------------------------------------------------------------ export
     def set_max_total_tokens(self, value: int) -> None:
-        """Known from the scheduler's handshake before the first stats push."""
-        self.max_total_tokens.set(value)
+        """Known from the scheduler's handshake before the first stats push. Also sets
+        `vllm:cache_config_info` (blocks of `page_size` tokens)."""
+        self._set("max_total_tokens", value)
+        labels = (str(self.page_size), str(value // max(self.page_size, 1)))
+        if labels != self._cache_config_labels:
+            self._cache_config.clear()
+            self._cache_config.labels(*labels).set(1)
+            self._cache_config_labels = labels
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -46,6 +46,7 @@ from .openai_protocol import (
 )
 from .server_info import health_generate, server_info
 from .tokenize_routes import add_tokenize_routes
+from .worker_routes import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     _add_openai_routes(app, app.state.server.openai)
     add_dashboard_routes(app, tokenizer_manager)
     add_tokenize_routes(app, tokenizer_manager)
+    add_worker_routes(app, app.state.server)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        max_request_bytes=server_args.max_request_bytes)
     app.add_middleware(RequestLogMiddleware, log_requests=server_args.log_requests)   # outermost

@@ -107,7 +107,7 @@ class ServerLifecycle:
 
         self.loop = asyncio.get_running_loop()
         info = self.subprocesses.scheduler_info
-        metrics = MetricsCollector(self.args.model_name)
+        metrics = MetricsCollector(self.args.model_name, self.args.page_size)
         metrics.set_max_total_tokens(int(info.get("max_total_tokens") or 0))
         self.tm = TokenizerManager(self.args, self.subprocesses.port_args, info, metrics=metrics)
         app = create_app(self.tm, self.args, metrics)
