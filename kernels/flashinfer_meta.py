@@ -56,22 +56,25 @@ def build_paged_meta(req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_
     """Metadata for attending each request's queries `[prefix_len, seq_len)` over its KV `[0, seq_len)`.
 
     `req_to_token`: the `[rows, context_len]` slot table; `req_rows`, `prefix_lens`, `seq_lens`: `[bs]`
-    (every seq_len >= 1). `total_pages`, if the caller knows it (sum of ceil(seq_len / P), e.g. from
-    CPU lengths), spares a device->host sync. Reads the table only; the result lives on its device.
+    (every seq_len >= 1). The indptrs and last-page lengths are computed where the lengths live (on
+    the host for `build_paged_meta_host`); `kv_indices` is gathered on the table's device.
+    `total_pages`, if the caller knows it (sum of ceil(seq_len / P), e.g. from CPU lengths), spares a
+    device->host sync. Reads the table only.
     """
-    device = req_to_token.device
     P = page_size
-    rows = req_rows.to(device=device, dtype=torch.int64)
-    seq = seq_lens.to(device=device, dtype=torch.int64)
-    qo_lens = seq - prefix_lens.to(device=device, dtype=torch.int64)
+    seq = seq_lens.to(torch.int64)
+    qo_lens = seq - prefix_lens.to(device=seq.device, dtype=torch.int64)
     num_pages = (seq + P - 1) // P                                     # [bs]
     kv_indptr = _prefix_sum(num_pages)
     if total_pages is None:
         total_pages = int(num_pages.sum())
     # One entry per (request, page k): the slot of token k*P names the page.
-    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), num_pages,
+    device = req_to_token.device
+    rows = req_rows.to(device=device, dtype=torch.int64)
+    indptr = to_device(kv_indptr, device).to(torch.int64)              # pinned copy on CUDA
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), indptr[1:] - indptr[:-1],
                                     output_size=total_pages)           # [total_pages]
-    page_k = torch.arange(total_pages, device=device) - kv_indptr[:-1].to(torch.int64)[owner]
+    page_k = torch.arange(total_pages, device=device) - indptr[:-1][owner]
     first_slots = req_to_token[rows[owner], page_k * P].to(torch.int64)
     kv_indices = (first_slots // P).to(torch.int32)
     kv_last_page_len = ((seq - 1) % P + 1).to(torch.int32)
@@ -86,28 +89,12 @@ def build_decode_meta(req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_le
 
 def build_paged_meta_host(req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens_cpu: list[int],
                           seq_lens_cpu: list[int], page_size: int) -> PagedMeta:
-    """`build_paged_meta` from the host's lengths, as SGLang plans: `qo_indptr`, `kv_indptr` and
-    `kv_last_page_len` are built on the CPU from the batch's CPU lengths (FlashInfer's `plan()`
-    reads them on the host, so nothing comes back from the device); `kv_indices` is gathered from
-    the table on its device, after one host-to-device copy of `kv_indptr` (pinned on CUDA).
-
-    Same values as `build_paged_meta` (tests/unit/test_flashinfer_meta.py). Reads the table only.
-    """
-    P = page_size
+    """`build_paged_meta` from the batch's CPU lengths, as SGLang plans: `qo_indptr`, `kv_indptr` and
+    `kv_last_page_len` stay on the host (FlashInfer's `plan()` reads them there, so nothing comes
+    back from the device); `kv_indices` is gathered on the table's device."""
     seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
-    qo_lens = seq - torch.tensor(prefix_lens_cpu, dtype=torch.int64)
-    num_pages = (seq + P - 1) // P
-    kv_indptr = _prefix_sum(num_pages)                                  # host
-    total_pages = int(kv_indptr[-1])
-    device = req_to_token.device
-    indptr_dev = to_device(kv_indptr, device).to(torch.int64)
-    rows = req_rows.to(device=device, dtype=torch.int64)
-    counts = indptr_dev[1:] - indptr_dev[:-1]                           # num_pages, on the device
-    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), counts,
-                                    output_size=total_pages)           # [total_pages]
-    page_k = torch.arange(total_pages, device=device) - indptr_dev[:-1][owner]
-    kv_indices = (req_to_token[rows[owner], page_k * P].to(torch.int64) // P).to(torch.int32)
-    return PagedMeta(_prefix_sum(qo_lens), kv_indptr, kv_indices, ((seq - 1) % P + 1).to(torch.int32))
+    return build_paged_meta(req_to_token, req_rows, torch.tensor(prefix_lens_cpu, dtype=torch.int64), seq,
+                            page_size, total_pages_of(seq_lens_cpu, page_size))
 
 
 def paged_kv_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:

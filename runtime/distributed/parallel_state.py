@@ -27,15 +27,12 @@ def gpu_index(dp_rank: int, tp_rank: int, tp_size: int, device_count: int, nnode
     return index
 
 
-def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str = "env://",
-                  device: torch.device | None = None) -> None:
-    """Joins the TP group of `size` ranks (NCCL on CUDA, gloo on CPU). Call once per process.
-    For NCCL, `device` becomes this process's current CUDA device first (NCCL binds to it)."""
+def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str = "env://") -> None:
+    """Joins the TP group of `size` ranks (NCCL on CUDA, gloo on CPU). Call once per process; for
+    NCCL, after `torch.cuda.set_device` (ModelRunner does it when it picks the GPU)."""
     global _TP_RANK, _TP_SIZE, _TP_GROUP
     if not 0 <= rank < size:
         raise ValueError(f"TP rank {rank} is outside [0, {size})")
-    if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
     if size > 1:
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)

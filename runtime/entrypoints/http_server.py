@@ -102,6 +102,7 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")             # the name SGLang's gateway asks for first
     async def model_info() -> Response:
         info = st.tm.scheduler_info
         return json_response({"model_path": st.server_args.model_path, "tokenizer_path": st.server_args.tokenizer_path,

@@ -1,4 +1,4 @@
-"""Routes a gateway reads from its workers, beyond the generation routes: `/get_load`, `/model_info`.
+"""The route a gateway reads load from: `/get_load` (`/model_info` is an alias in http_server.py).
 
     add_worker_routes(app, state)      state: http_server.ServerState
 
@@ -23,7 +23,7 @@ from .errors import json_response
 
 def worker_load(tm: Any, dp_size: int) -> list[dict[str, int]]:
     """SGLang's `/get_load` body from the schedulers' latest stats (zeros before the first push)."""
-    stats = dict(getattr(tm, "stats_by_dp_rank", {}))
+    stats = dict(tm.stats_by_dp_rank)
     dp_size = max(dp_size, len(stats), 1)
     out = []
     for rank in range(dp_size):
@@ -36,20 +36,8 @@ def worker_load(tm: Any, dp_size: int) -> list[dict[str, int]]:
 
 
 def add_worker_routes(app: FastAPI, state: Any) -> None:
-    """Adds `/get_load` and `/model_info` (the same body as `/get_model_info`)."""
+    """Adds `/get_load`."""
 
     @app.get("/get_load")
     async def get_load() -> Response:
         return json_response(worker_load(state.tm, state.server_args.dp_size))
-
-    @app.get("/model_info")
-    async def model_info() -> Response:
-        return json_response(model_info_body(state))
-
-
-def model_info_body(state: Any) -> dict[str, Any]:
-    """What `/get_model_info` and `/model_info` answer."""
-    args, tm = state.server_args, state.tm
-    return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path,
-            "is_generation": bool(tm.scheduler_info.get("is_generation", True)),
-            "served_model_name": args.model_name, "max_model_len": tm.context_len}

@@ -125,7 +125,7 @@ class ModelRunner:
         cfg.check_tp_size(tp)
         if tp > 1 and not ps.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            ps.init_tp_group(self.tp_rank, tp, backend, f"tcp://{self.server_args.dist_init_addr}", self.device)
+            ps.init_tp_group(self.tp_rank, tp, backend, f"tcp://{self.server_args.dist_init_addr}")
         self.num_local_heads = cfg.num_heads // tp
         self.num_local_kv_heads = cfg.num_kv_heads_per_rank(tp)
 
