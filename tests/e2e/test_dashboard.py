@@ -10,11 +10,13 @@ import tempfile
 import time
 
 import httpx
-import pytest
 from server_fixtures import start_server
 
+from tests.helpers import missing_dependency
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (installed by .ci/run)")
+if CHROMIUM is None:
+    missing_dependency("needs Debian's chromium (installed by .ci/run)")
 
 
 def _render(url: str) -> str:

@@ -22,7 +22,12 @@ import httpx
 import pytest
 from server_fixtures import REPO_ROOT, descendant_pids, launch_server_process, metric_values, start_server
 
-pytest.importorskip("sglang_router")
+from tests.helpers import missing_dependency
+
+try:
+    import sglang_router  # noqa: F401
+except ImportError as e:
+    missing_dependency(f"sglang-router not installed: {e}")
 
 from radixlm.testing.gateway import GatewayProcess, launch_gateway  # noqa: E402
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import missing_dependency
 from tests.real_model import smollm2_gguf
 from tests.server_fixtures import ServerProcess, server_fixture, start_server, wait_kv_free
 
@@ -25,7 +26,7 @@ try:
     import sglang as sgl
     from sglang.test.kits.regex_constrained_kit import RegexConstrainedMixin
 except Exception as e:  # noqa: BLE001 - missing package or one of the modules its frontend imports
-    pytest.skip(f"sglang frontend not importable: {e}", allow_module_level=True)
+    missing_dependency(f"sglang frontend not importable (pip install --no-deps -r tests/sglang_client.txt): {e}")
 
 BENCH_RUNNER = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_bench_serving.py"
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "1024", "--max-total-tokens", "16384")
