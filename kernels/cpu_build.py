@@ -61,6 +61,23 @@ def pick_isa(flags: set[str] | None = None) -> str | None:
     return None
 
 
+def kernel_cache_root() -> Path:
+    """$RADIXLM_KERNEL_CACHE, default ~/.cache/radixlm/kernels (not created here)."""
+    return Path(env.KERNEL_CACHE.get() or Path.home() / ".cache" / "radixlm" / "kernels")
+
+
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's "model name" (e.g. "AMD EPYC"), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def build_dir(kind: str, isa: str, hashed_files: list[Path], flags: list[str]) -> Path:
     """The cache folder for one build: keyed on the sources' bytes, the flags and torch's version.
     Side effect: creates the folder."""
@@ -69,8 +86,7 @@ def build_dir(kind: str, isa: str, hashed_files: list[Path], flags: list[str]) -
         h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
-    root = Path(env.KERNEL_CACHE.get() or Path.home() / ".cache" / "radixlm" / "kernels")
-    d = root / f"{kind}_{isa}_{h.hexdigest()[:16]}"
+    d = kernel_cache_root() / f"{kind}_{isa}_{h.hexdigest()[:16]}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -61,6 +61,15 @@ class EnvVar:
             raise ValueError(f"{self.name}={raw!r} is not one of {', '.join(self.choices)}")
         return raw
 
+    def set(self, value: Any) -> None:
+        """Sets (None: removes) the variable in this process's environment, for code in this process
+        that reads it later (oneDNN reads ONEDNN_MAX_CPU_ISA at its first matmul)."""
+        text = self.format(value)
+        if text is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = text
+
     def format(self, value: Any) -> str | None:
         """The text that `get` reads back as `value`; None for None (the variable is then unset)."""
         if value is None:
@@ -101,6 +110,11 @@ DISABLE_PACKED_WEIGHTS = _var("RADIXLM_DISABLE_PACKED_WEIGHTS", bool, False, "On
                               "weights in their plain layout instead of packing them once (radixlm's "
                               "AVX512-BF16 gemm layout in 2 MiB pages, else oneDNN's; slower matmuls "
                               "without).", "disable_packed_weights")
+CPU_LINEAR_KERNEL = _var("RADIXLM_CPU_LINEAR_KERNEL", str, "auto", "Kernel of the CPU bf16/fp16 linear "
+                         "layers: auto (time radixlm's AVX512-BF16 gemm, oneDNN's packed matmul (AMX where "
+                         "the CPU has it) and plain F.linear per weight shape once, cached per CPU model in "
+                         "linear_select.json beside the kernel cache), or force gemm, onednn or torch.",
+                         "cpu_linear_kernel", ("auto", "gemm", "onednn", "torch"))
 CPU_KERNEL_ISA = _var("RADIXLM_CPU_KERNEL_ISA", str, None, "SIMD path of the C++ CPU kernels (default: the "
                       "best this CPU runs, avx512 then avx2).", "cpu_kernel_isa", ("avx512", "avx2"))
 REQUIRE_KERNELS = _var("RADIXLM_REQUIRE_KERNELS", bool, False, "Fail (RuntimeError) when a C++ CPU kernel that "
@@ -111,6 +125,11 @@ KERNEL_CACHE = _var("RADIXLM_KERNEL_CACHE", str, None, "Folder of the built C++ 
                     "~/.cache/radixlm/kernels).")
 CACHE_DIR = _var("RADIXLM_CACHE_DIR", str, None, "radixlm's cache folder: downloaded and converted models "
                  "(default: ~/.cache/radixlm).")
+LINEAR_SELECT_CACHE = _var("RADIXLM_LINEAR_SELECT_CACHE", str, None, "JSON file of the measured CPU linear "
+                           "kernel choices (default: linear_select.json in the kernel cache folder).")
+ONEDNN_MAX_CPU_ISA = _var("ONEDNN_MAX_CPU_ISA", str, None, "oneDNN's own cap on the instruction set it uses "
+                          "(read by oneDNN at its first matmul). radixlm sets it to AVX512_CORE_BF16 in "
+                          "its process when the CPU advertises AMX but the kernel refuses the tile state.")
 REQUIRE_TEST_DEPS = _var("RADIXLM_REQUIRE_TEST_DEPS", bool, False, "Tests: fail instead of skipping when an "
                          "optional test dependency is missing (the real SmolLM2 model, SGLang's client, "
                          "sglang-router, chromium). .ci/run sets it.")

@@ -2,7 +2,8 @@
 
 A bf16 decode step at small batch is bound by reading the weights. `F.linear` on a plain row-major
 weight makes oneDNN reorder (or read with a poor stride) the whole weight on every call. Packing
-once avoids that, in one of two layouts:
+once avoids that, in one of two layouts; which one (or the plain weight and F.linear) each weight
+gets is measured on this CPU per shape (runtime/layers/linear_select.py, `--cpu-linear-kernel`):
 
 - **gemm** (CPUs with AVX512-BF16, bf16 weights): kernels/cpu_gemm's blocked k-pair layout, all
   weights in one arena of 2 MiB pages. On this project's 2-core VM, SmolLM2-135M's 121 matmuls at
@@ -10,8 +11,10 @@ once avoids that, in one of two layouts:
   read bandwidth there), and it stays ahead up to batch 64 (benchmarks/README.md). The sums run in
   k order in fp32, so outputs equal F.linear's for most shapes and differ by bf16 rounding for the
   rest.
-- **onednn** (other CPUs, and fp16): oneDNN's own blocked layout
-  (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`): bit-identical to F.linear.
+- **onednn** (any CPU oneDNN runs bf16/fp16 on; AMX kernels where granted): oneDNN's own blocked
+  layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`): bit-identical to
+  F.linear. On an AMX Xeon it was 1.7x faster than gemm at batch 16 and 3x at prefill.
+- **torch**: the weight stays plain; F.linear.
 
     pack_linear_weights(model)      # after load_weights: every layer with a `packed_weight` slot
     y = linear(x, layer.weight, layer.packed_weight, bias)
@@ -20,7 +23,7 @@ fp32 weights are left alone (F.linear goes to MKL's sgemm). Packing frees the de
 another module shares it (a tied LM head keeps the embedding table, and gets its own packed copy).
 `--disable-packed-weights` (or `RADIXLM_DISABLE_PACKED_WEIGHTS=1`) keeps the plain path, and
 `--enable-torch-compile` does too, since inductor packs the weights of the graphs it compiles.
-`RADIXLM_DISABLE_CPU_GEMM=1` keeps packing but with oneDNN's layout.
+`RADIXLM_DISABLE_CPU_GEMM=1` takes the gemm layout out of the candidates.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | GemmWei
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _gemm_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def gemm_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
             and (bias is None or bias.dtype == torch.bfloat16))
 
@@ -87,7 +90,8 @@ def _gemm_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def pack_linear_weights(model: nn.Module) -> int:
     """Packs the weight of every module with a `packed_weight` attribute (None until packed).
 
-    Side effects: sets `module.packed_weight`, and replaces the module's dense `weight` data with an
+    Side effects: chooses each weight's kernel (linear_select.choose_kernels: may time the shapes and
+    write its cache file), sets `module.linear_kernel` and `module.packed_weight`, and replaces the module's dense `weight` data with an
     empty tensor when nothing else holds it. Returns how many weights were packed (0 when packing is
     disabled or unsupported here); logs the count, the layout and the time taken.
     """
@@ -96,13 +100,19 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     start = time.perf_counter()
     modules = [m for m in model.modules() if getattr(m, "packed_weight", 1) is None
-               and packing_supported(m.weight)]
+               and getattr(m, "linear_kernel", None) is None and packing_supported(m.weight)]
     weight_users: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             weight_users[id(p)] = weight_users.get(id(p), 0) + 1
-    gemm = load_cpu_gemm() if modules else None      # no CPU weight, no C++ build (CUDA runs)
-    in_gemm = {id(m) for m in modules if gemm is not None and _gemm_fits(m.weight, getattr(m, "bias", None))}
+    from .linear_select import choose_kernels
+
+    kernels = choose_kernels(modules) if modules else {}
+    for m in modules:
+        m.linear_kernel = kernels[id(m)]       # marks the module as decided (packing twice is a no-op)
+    in_gemm = {i for i, k in kernels.items() if k == "gemm"}
+    modules = [m for m in modules if kernels[id(m)] != "torch"]
+    gemm = load_cpu_gemm() if in_gemm else None
     arena = huge_page_empty(sum(gemm.packed_numel(*m.weight.shape) for m in modules if id(m) in in_gemm),
                             torch.bfloat16) if in_gemm else None
     offset = 0
@@ -117,11 +127,13 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         if weight_users.get(id(module.weight), 0) <= 1:
             module.weight.data = weight.new_empty((0, weight.shape[1]))
-    if modules:
+    if modules or kernels:
         layout = (f"{len(in_gemm)} in the AVX512-BF16 gemm layout ({offset * 2 / 2**20:.0f} MiB, "
                   f"transparent huge pages: {transparent_huge_pages()})" if in_gemm else "oneDNN layout")
         if in_gemm and len(in_gemm) < len(modules):
             layout += f", {len(modules) - len(in_gemm)} in oneDNN's"
+        if len(kernels) > len(modules):
+            layout += f"; {len(kernels) - len(modules)} left plain for F.linear"
         logger.info("Packed %d linear weights, %s, in %.1f s", len(modules), layout, time.perf_counter() - start)
     return len(modules)
 

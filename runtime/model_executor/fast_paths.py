@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from ...kernels import cpu_ops
+from ...kernels.cpu_amx import prepare_onednn_isa
 from ...kernels.cpu_build import pick_isa
 from ...kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
 from .. import env
+from ..layers.linear_select import last_selection
 from ..layers.packed_linear import GemmWeight
 from ..mem_cache.huge_pages import transparent_huge_pages
 from .cpu_decoder import CpuDecoder, _unsupported_reason
@@ -52,6 +54,8 @@ def fast_paths(runner: Any) -> dict[str, str]:
         "fused ops": "on (RMSNorm, SiLU-and-mul, rotary in C++)" if cpu_ops.enabled()
                      else f"off ({_off_reason(env.DISABLE_FUSED_OPS)})",
         "CPU gemm": _gemm(),
+        "CPU linear kernel": _linear_kernel(runner),
+        "AMX": prepare_onednn_isa().text,
         "packed weights": _packed(runner),
         "one-call decoder": _decoder(runner),
         "huge pages": f"transparent huge pages: {transparent_huge_pages()}",
@@ -76,12 +80,22 @@ def _gemm() -> str:
     return f"off ({_off_reason(env.DISABLE_CPU_GEMM)}); packed bf16 weights use oneDNN's layout"
 
 
+def _linear_kernel(runner: Any) -> str:
+    """How the bf16/fp16 linear weights' kernels were chosen (--cpu-linear-kernel)."""
+    sel = last_selection()
+    if sel is None:
+        return "none chosen (no bf16/fp16 weight was packed: plain F.linear)"
+    return sel.summary()
+
+
 def _packed(runner: Any) -> str:
     args = runner.server_args
     packed = [m.packed_weight for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
     if packed:
         gemm = sum(isinstance(p, GemmWeight) for p in packed)
-        return f"on ({len(packed)} linear weights: {gemm} in the gemm layout, {len(packed) - gemm} in oneDNN's)"
+        plain = sum(getattr(m, "linear_kernel", None) == "torch" for m in runner.model.modules())
+        return (f"on ({len(packed)} linear weights: {gemm} in the gemm layout, {len(packed) - gemm} in oneDNN's"
+                f"{f'; {plain} plain (F.linear measured faster)' if plain else ''})")
     if args.disable_packed_weights:
         return "off (--disable-packed-weights / RADIXLM_DISABLE_PACKED_WEIGHTS)"
     if args.enable_torch_compile:

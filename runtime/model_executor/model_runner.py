@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.cpu_amx import prepare_onednn_isa
 from ..layers.attention.base import create_backend
 from ..layers.packed_linear import pack_linear_weights, packed_weight_bytes
 from ..mem_cache.memory_pool import KVCache, ReqToTokenPool
@@ -55,6 +56,8 @@ class ModelRunner:
         self._init_distributed()
         from ..models.weight_loader import load_model
 
+        if self.device.type == "cpu":
+            prepare_onednn_isa()          # AMX tile permission (or oneDNN's ISA cap) before any matmul
         self.model = load_model(self.model_config, self.device)
         if not (server_args.disable_packed_weights or server_args.enable_torch_compile):
             pack_linear_weights(self.model)

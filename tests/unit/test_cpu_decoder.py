@@ -69,6 +69,7 @@ def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeyp
     onednn = dtype == "bfloat16-onednn"
     if onednn:
         monkeypatch.setattr(packed_linear, "load_cpu_gemm", lambda: None)
+        monkeypatch.setenv("RADIXLM_CPU_LINEAR_KERNEL", "onednn")
     runner = _runner(tiny_model_path, "bfloat16" if onednn else dtype)
     if onednn:
         packed = runner.model.model.layers[0].mlp.down_proj.packed_weight

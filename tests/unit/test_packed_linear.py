@@ -23,6 +23,7 @@ def layout(request, monkeypatch):
     if request.param == "gemm" and not cpu_gemm.cpu_supports_gemm():
         pytest.skip("the gemm layout needs AVX512-BF16")
     monkeypatch.setenv("RADIXLM_DISABLE_CPU_GEMM", "1" if request.param == "onednn" else "0")
+    monkeypatch.setenv("RADIXLM_CPU_LINEAR_KERNEL", request.param)
     cpu_gemm.load_cpu_gemm.cache_clear()
     yield request.param
     cpu_gemm.load_cpu_gemm.cache_clear()
