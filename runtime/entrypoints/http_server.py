@@ -21,8 +21,8 @@ from starlette.responses import Response
 
 import radixlm
 
-from ..managers.generate_fields import UnsupportedFieldError, check_extra_fields
 from ..managers.io_struct import GenerateReqInput
+from ..managers.request_validation import UnsupportedFieldError, check_extra_fields
 from ..metrics import MetricsCollector
 from ..server_args import ServerArgs
 from .chat_template import JinjaChatTemplate, resolve_chat_template
@@ -32,7 +32,8 @@ from .errors import (
     error_body,
     install_error_handlers,
     json_response,
-    raise_if_rejected,
+    only_item,
+    start_stream,
     to_api_error,
 )
 from .middleware import GuardMiddleware, RequestLogMiddleware
@@ -61,6 +62,7 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     app.state.server = ServerState(tokenizer_manager, server_args, metrics,
                                    OpenAIServing(tokenizer_manager, server_args.model_name,
                                                  server_args.model_path or "", template,
+                                                 server_args.max_top_logprobs,
                                                  server_args.tool_call_parser, server_args.reasoning_parser))
     install_error_handlers(app)
     _add_native_routes(app, app.state.server)
@@ -146,24 +148,13 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
         check_extra_fields(extra)
     except UnsupportedFieldError as e:
         raise APIError(400, str(e), param=e.field) from None
-    fields = body.model_dump(exclude=set(extra))
-    obj = GenerateReqInput(**fields)
-    stream = st.tm.generate(obj, request)
-    try:
-        first = await stream.__anext__()
-        raise_if_rejected(first)
-    except StopAsyncIteration:
-        raise APIError(500, "The request produced no output") from None
-    except Exception as e:
-        await stream.aclose()
-        raise to_api_error(e) from None
+    obj = GenerateReqInput(**body.model_dump(exclude=set(extra)))
     if not body.stream:
-        await stream.aclose()
-        return json_response(first)
+        return json_response(await only_item(st.tm.generate(obj, request)))
+    stream = await start_stream(st.tm.generate(obj, request))
 
     async def events() -> Any:
         try:
-            yield sse(first)
             async for item in stream:
                 yield sse(item)
         except Exception as e:
