@@ -45,9 +45,8 @@ from .openai_protocol import (
     CompletionRequest,
     GenerateRequest,
 )
-from .server_info import health_generate, server_info
+from .server_info import health_generate, server_info, worker_load
 from .tokenize_routes import add_tokenize_routes
-from .worker_routes import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,6 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     _add_openai_routes(app, app.state.server.openai)
     add_dashboard_routes(app, tokenizer_manager)
     add_tokenize_routes(app, tokenizer_manager)
-    add_worker_routes(app, app.state.server)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        max_request_bytes=server_args.max_request_bytes)
     app.add_middleware(RequestLogMiddleware, log_requests=server_args.log_requests)   # outermost
@@ -110,6 +108,10 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
         return json_response({"model_path": st.server_args.model_path, "tokenizer_path": st.server_args.tokenizer_path,
                       "is_generation": bool(info.get("is_generation", True)),
                       "served_model_name": st.server_args.model_name, "max_model_len": st.tm.context_len})
+
+    @app.get("/get_load")                # SGLang's gateway: load per DP replica (server_info.py)
+    async def get_load() -> Response:
+        return json_response(worker_load(st.tm, st.server_args.dp_size))
 
     @app.get("/get_server_info")
     @app.get("/server_info")
