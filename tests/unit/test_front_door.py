@@ -112,3 +112,12 @@ def test_first_item_helpers() -> None:
                 assert err.value.status == status and (source.closed or status == 500)
 
     asyncio.run(run())
+
+
+def test_http_body_and_request_model_have_the_same_fields() -> None:
+    """/generate parses its JSON into GenerateRequest and builds GenerateReqInput(**body.model_dump())."""
+    import dataclasses
+
+    from radixlm.runtime.entrypoints.openai_protocol import GenerateRequest
+
+    assert set(GenerateRequest.model_fields) == {f.name for f in dataclasses.fields(GenerateReqInput)}
