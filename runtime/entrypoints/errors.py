@@ -12,6 +12,7 @@ FastAPI's own errors (validation, unknown route, wrong method) use the same shap
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -109,6 +110,43 @@ def _exc_message(exc: BaseException) -> str:
     if isinstance(exc, KeyError) and exc.args:
         return f"Missing or invalid key: {exc.args[0]}"
     return str(exc) or type(exc).__name__
+
+
+# ----------------------------------------------------------------- results of TokenizerManager.generate
+async def only_item(stream: AsyncIterator[Any]) -> Any:
+    """The first (for a non-streaming request, the only) item of a TokenizerManager.generate
+    stream, which is then closed. Every failure becomes an APIError (see to_api_error)."""
+    first = await _first_item(stream)
+    await stream.aclose()
+    return first
+
+
+async def start_stream(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The same stream, once its first item came: waiting for it before the 200 goes out makes
+    input errors (and a rejection) a 4xx. The returned iterator closes `stream` when it ends."""
+    first = await _first_item(stream)
+
+    async def chained() -> AsyncIterator[Any]:
+        try:
+            yield first
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    return chained()
+
+
+async def _first_item(stream: AsyncIterator[Any]) -> Any:
+    try:
+        first = await stream.__anext__()
+        raise_if_rejected(first)
+    except StopAsyncIteration:
+        raise APIError(500, "The request produced no output") from None
+    except Exception as e:
+        await stream.aclose()
+        raise to_api_error(e) from None
+    return first
 
 
 # ----------------------------------------------------------------- FastAPI validation errors

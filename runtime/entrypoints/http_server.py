@@ -21,8 +21,8 @@ from starlette.responses import Response
 
 import radixlm
 
-from ..managers.generate_fields import UnsupportedFieldError, check_extra_fields
 from ..managers.io_struct import GenerateReqInput
+from ..managers.request_validation import UnsupportedFieldError, check_extra_fields
 from ..metrics import MetricsCollector
 from ..server_args import ServerArgs
 from .chat_template import JinjaChatTemplate, resolve_chat_template
@@ -32,7 +32,8 @@ from .errors import (
     error_body,
     install_error_handlers,
     json_response,
-    raise_if_rejected,
+    only_item,
+    start_stream,
     to_api_error,
 )
 from .middleware import GuardMiddleware, RequestLogMiddleware
@@ -44,9 +45,8 @@ from .openai_protocol import (
     CompletionRequest,
     GenerateRequest,
 )
-from .server_info import health_generate, server_info
+from .server_info import health_generate, server_info, worker_load
 from .tokenize_routes import add_tokenize_routes
-from .worker_routes import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ def create_app(tokenizer_manager: Any, server_args: ServerArgs, metrics: Metrics
     app.state.server = ServerState(tokenizer_manager, server_args, metrics,
                                    OpenAIServing(tokenizer_manager, server_args.model_name,
                                                  server_args.model_path or "", template,
+                                                 server_args.max_top_logprobs,
                                                  server_args.tool_call_parser, server_args.reasoning_parser))
     install_error_handlers(app)
     _add_native_routes(app, app.state.server)
     _add_openai_routes(app, app.state.server.openai)
     add_dashboard_routes(app, tokenizer_manager)
     add_tokenize_routes(app, tokenizer_manager)
-    add_worker_routes(app, app.state.server)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        max_request_bytes=server_args.max_request_bytes)
     app.add_middleware(RequestLogMiddleware, log_requests=server_args.log_requests)   # outermost
@@ -109,6 +109,10 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
                       "is_generation": bool(info.get("is_generation", True)),
                       "served_model_name": st.server_args.model_name, "max_model_len": st.tm.context_len})
 
+    @app.get("/get_load")                # SGLang's gateway: load per DP replica (server_info.py)
+    async def get_load() -> Response:
+        return json_response(worker_load(st.tm, st.server_args.dp_size))
+
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> Response:
@@ -146,24 +150,13 @@ async def _generate(st: ServerState, body: GenerateRequest, request: Request) ->
         check_extra_fields(extra)
     except UnsupportedFieldError as e:
         raise APIError(400, str(e), param=e.field) from None
-    fields = body.model_dump(exclude=set(extra))
-    obj = GenerateReqInput(**fields)
-    stream = st.tm.generate(obj, request)
-    try:
-        first = await stream.__anext__()
-        raise_if_rejected(first)
-    except StopAsyncIteration:
-        raise APIError(500, "The request produced no output") from None
-    except Exception as e:
-        await stream.aclose()
-        raise to_api_error(e) from None
+    obj = GenerateReqInput(**body.model_dump(exclude=set(extra)))
     if not body.stream:
-        await stream.aclose()
-        return json_response(first)
+        return json_response(await only_item(st.tm.generate(obj, request)))
+    stream = await start_stream(st.tm.generate(obj, request))
 
     async def events() -> Any:
         try:
-            yield sse(first)
             async for item in stream:
                 yield sse(item)
         except Exception as e:

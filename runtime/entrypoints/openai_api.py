@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -31,7 +30,7 @@ from .chat_template import (
     encode_chat_prompt,
     normalize_messages,
 )
-from .errors import APIError, json_response, raise_if_rejected, to_api_error
+from .errors import APIError, json_response, only_item, start_stream
 from .openai_format import (
     SSEResponse,
     chat_choice,
@@ -50,15 +49,15 @@ from .openai_tools import (
 )
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
-MAX_TOP_LOGPROBS = 20
 
 
 class OpenAIServing:
     """Turns OpenAI requests into TokenizerManager calls. One instance per server."""
 
     def __init__(self, tokenizer_manager: Any, model_name: str, model_path: str, chat_template: JinjaChatTemplate,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 max_top_logprobs: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.tm = tokenizer_manager
+        self.max_top_logprobs = max_top_logprobs        # --max-top-logprobs, as on /generate
         self.model_name = model_name
         self.model_path = model_path
         self.chat_template = chat_template
@@ -91,8 +90,8 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != n:
             raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
         top = req.logprobs
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+        if top is not None and not 0 <= top <= self.max_top_logprobs:
+            raise APIError(400, f"logprobs must be in [0, {self.max_top_logprobs}]", param="logprobs")
         prompts, is_batch = _split_prompt(req.prompt)
         max_new = _check_max_tokens(req.max_tokens, "max_tokens")
         max_new = max_new if max_new is not None else self._room(self._longest(prompts))
@@ -103,7 +102,7 @@ class OpenAIServing:
         meta = _ResponseMeta("cmpl-", self.model_name, n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = await _start(self.tm.generate(obj, raw))
+            stream = await start_stream(self.tm.generate(obj, raw))
             echo = self._echo_texts(prompts, bool(req.echo))
             return SSEResponse(completion_stream(stream, meta, echo, return_logprob, include_usage))
         items = await self._run(obj, raw)
@@ -131,8 +130,8 @@ class OpenAIServing:
         _refuse_dangerous(req.model_extra or {})
         n = _check_n(req.n)
         top = req.top_logprobs
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if top is not None and not 0 <= top <= self.max_top_logprobs:
+            raise APIError(400, f"top_logprobs must be in [0, {self.max_top_logprobs}]", param="top_logprobs")
         if top and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = setup_tools(req, self.tool_parser, self.reasoning)
@@ -161,7 +160,7 @@ class OpenAIServing:
             if req.return_token_ids:
                 raise APIError(400, "return_token_ids is not supported with stream", param="return_token_ids")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = await _start(self.tm.generate(obj, raw))
+            stream = await start_stream(self.tm.generate(obj, raw))
             return SSEResponse(chat_stream(stream, meta, bool(req.logprobs), include_usage, parser, remember))
         items = await self._run(obj, raw)
         for it in items:
@@ -186,16 +185,7 @@ class OpenAIServing:
         return ChatRequestInput(messages, tools, add_prompt, cont, dict(req.chat_template_kwargs or {}))
 
     async def _run(self, obj: GenerateReqInput, raw: Request) -> list[dict[str, Any]]:
-        stream = self.tm.generate(obj, raw)
-        try:
-            out = await stream.__anext__()
-        except StopAsyncIteration:
-            raise APIError(500, "The request produced no output") from None
-        except Exception as e:
-            raise to_api_error(e) from None
-        finally:
-            await stream.aclose()
-        raise_if_rejected(out)
+        out = await only_item(self.tm.generate(obj, raw))
         return out if isinstance(out, list) else [out]
 
 
@@ -208,32 +198,6 @@ class _ResponseMeta:
         self.created = int(time.time())
         self.model = model
         self.n = n
-
-
-async def _start(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Waits for the first item before the 200 goes out, so input errors still become a 4xx."""
-    try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
-        raise APIError(500, "The request produced no output") from None
-    except Exception as e:
-        await stream.aclose()
-        raise to_api_error(e) from None
-    try:
-        raise_if_rejected(first)
-    except APIError:
-        await stream.aclose()
-        raise
-
-    async def chained() -> AsyncIterator[Any]:
-        try:
-            yield first
-            async for item in stream:
-                yield item
-        finally:
-            await stream.aclose()
-
-    return chained()
 
 
 def _check_max_tokens(value: int | None, name: str) -> int | None:

@@ -1,10 +1,13 @@
 """Request bodies of the HTTP API as pydantic models (they also make `/openapi.json` useful).
 
-OpenAI bodies ignore unknown fields (clients send many), except the few whose silent dropping would
-change what the client gets (`suffix`, `best_of` > n, `audio`, `prediction`): those are refused in
-openai_api.py. The native `/generate` body forbids unknown fields, so a typo is a 400 naming it.
-Value checks (ranges, token limits) live in SamplingParams and the TokenizerManager, so both
-routes give the same messages.
+Every body here checks JSON types only (a wrong type is a 422 naming the field). OpenAI bodies ignore
+unknown fields (clients send many), except the few whose silent dropping would change what the
+client gets (`suffix`, `best_of` > n, `audio`, `prediction`): those are refused in openai_api.py.
+The native `/generate` body also accepts unknown fields: SGLang's fields that radixlm does not
+implement must be unset (request_validation.check_extra_fields, a 400 naming the field), and
+fields SGLang does not know either are ignored. `/abort_request` forbids unknown fields. Value
+checks (ranges, token limits) live in SamplingParams and managers/request_builder.py, which every
+route goes through.
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ class ChatCompletionRequest(_SamplingExtras):
 
 
 class GenerateRequest(BaseModel):
-    """The native `/generate` body. Fields radixlm does not implement land in `model_extra` and are
-    checked by managers/generate_fields.py (SGLang's other fields; unknown ones are ignored)."""
+    """The native `/generate` body, parsed into a GenerateReqInput (same fields). Fields radixlm does
+    not implement land in `model_extra` and are checked by request_validation.check_extra_fields
+    (SGLang's other fields must be unset; unknown ones are ignored)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,11 +1,20 @@
-"""What `/get_server_info` and `Engine.get_server_info()` report, and the startup capacity lines.
+"""What `/get_server_info`, `/get_load` and `Engine.get_server_info()` report, and the startup lines.
 
     server_info(server_args, tm)   -> args (api_key redacted) + scheduler info + capacity + state
+    worker_load(tm, dp_size)       -> SGLang's `/get_load` body, from the latest scheduler stats
     capacity_report(info, ctx)     -> KV bytes per token, pool size, concurrent requests at context
     format_fast_paths(paths, notes) -> the startup block: which fast paths are on, and why
     health_generate(tm)            -> None when a 1-token generation works, else what went wrong
 
 Nothing here holds state; every function reads the running TokenizerManager `tm`.
+
+SGLang's Model Gateway (`sglang-router`) asks each worker for `/model_info` (falling back to
+`/get_model_info`) when it registers it, `/health` every health-check interval, and `/get_load` for
+the `power_of_two` policy and `GET /get_loads`. `/get_load` answers SGLang's shape: one entry per
+data-parallel replica, `{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}`, where
+`num_tokens` is the KV tokens held by requests (the gateway sums it as the worker's load). The
+figures come from the latest stats each scheduler pushed (a few times a second while busy, once
+when it goes idle), so they cost no round trip to the schedulers.
 """
 
 from __future__ import annotations
@@ -47,6 +56,20 @@ async def server_info(server_args: ServerArgs, tm: Any, started_at: float | None
     if started_at is not None:
         info["uptime_s"] = time.time() - started_at
     return info
+
+
+def worker_load(tm: Any, dp_size: int) -> list[dict[str, int]]:
+    """SGLang's `/get_load` body from the schedulers' latest stats (zeros before the first push)."""
+    stats = dict(tm.stats_by_dp_rank)
+    dp_size = max(dp_size, len(stats), 1)
+    out = []
+    for rank in range(dp_size):
+        s = stats.get(rank)
+        waiting = (s.num_waiting_reqs + s.num_grammar_queue_reqs) if s is not None else 0
+        running = s.num_running_reqs if s is not None else 0
+        out.append({"dp_rank": rank, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+                    "num_tokens": s.kv_used_tokens if s is not None else 0})
+    return out
 
 
 def capacity_report(info: dict[str, Any], context_len: int) -> dict[str, Any]:

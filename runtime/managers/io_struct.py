@@ -143,7 +143,9 @@ class ChildFailed:
 # ------------------------------------------------------- API-level input
 @dataclass
 class GenerateReqInput:
-    """The native `/generate` body (and what Engine.generate builds). Fields follow SGLang.
+    """The one request model: the native `/generate` body (parsed from JSON by
+    entrypoints/openai_protocol.GenerateRequest), what the OpenAI routes and Engine.generate build.
+    Fields follow SGLang. managers/request_builder.py validates it and turns it into wire requests.
 
     Single: `text` is a str or `input_ids` a list[int]. Batch: a list of either; then
     `sampling_params`, `rid`, `return_logprob`, ... may each be a single value or a per-item list.

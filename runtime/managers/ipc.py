@@ -1,6 +1,6 @@
 """Boring IPC: ZMQ PUSH/PULL over `ipc://` paths in a private temp dir, pickled dataclasses.
 
-PortArgs names the three one-way channels of ARCHITECTURE.md section 1:
+PortArgs names the three one-way channels of a request's path (README, "How a request flows"):
 
     tokenizer --scheduler_input--> scheduler --detokenizer_input--> detokenizer --tokenizer_input--> tokenizer
 

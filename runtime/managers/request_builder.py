@@ -1,27 +1,51 @@
-"""Turns a GenerateReqInput (native /generate body, or what Engine.generate builds) into wire
-requests: single vs batch, per-item fields, tokenization, validation, n > 1 expansion.
+"""Turns a GenerateReqInput (the one request model: the native /generate body, what the OpenAI
+routes and Engine.generate build) into wire requests, in one pass:
+
+    builder = RequestBuilder(server_args, tokenizer, vocab_size, context_len, max_total_tokens)
+    reqs, is_single, text_in_logprobs = await builder.build(obj)
+
+    validate_generate_fields   the raw fields, once (request_validation.py)
+    check_prefix_fits          large inputs only: a text whose head alone overflows the context is
+                               refused without tokenizing the rest
+    _split_items               single vs batch: one single-prompt GenerateReqInput per prompt
+    encode_texts               text -> token ids (all texts of the request in one call)
+    _make_reqs                 token ids, sampling params and lengths checked; n > 1 expanded
 
 Every problem is a ValueError with a message a client can act on, raised before anything is sent.
+An input of LARGE_INPUT characters / token ids or more is built on one worker thread, so /health and
+other requests keep being served meanwhile; smaller ones are built inline (no thread hop). The
+tokenizer is shared with the loop thread: nothing mutates it after loading (no truncation or padding
+changes), and the Rust encode/decode calls only borrow it immutably. HF tokenizers' `__call__`
+computes offsets and several per-token lists that the runtime never reads; the Rust
+`encode_batch_fast` skips offsets (about 3x faster on long texts) and runs without the GIL, so a long
+prompt tokenized on the worker thread barely delays the event loop. Rids in use are not checked here
+(the TokenizerManager's RidRegistry does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..sampling_params import MODEL_DEFAULT_KEYS, SamplingParams
 from ..server_args import ServerArgs
 from .io_struct import GenerateReqInput, TokenizedGenerateReq
-from .request_validation import check_logprob_start, validate_generate_fields
-from .text_encoding import encode_texts
+from .request_validation import check_logprob_start, input_size, validate_generate_fields
 
 logger = logging.getLogger(__name__)
 
 PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+LARGE_INPUT = 64 * 1024
+HEAD_CHARS_PER_TOKEN = 16     # the head checked for overflow: this many characters per context token
+PREFIX_MARGIN_TOKENS = 64     # slack for the last pre-token of a head, which may merge differently
+
+Built = tuple[list[TokenizedGenerateReq], bool, bool]
 
 
 class RequestBuilder:
@@ -34,90 +58,61 @@ class RequestBuilder:
         self.max_total_tokens = max_total_tokens
         self.sampling_defaults = (model_sampling_defaults(server_args.model_path)
                                   if server_args.sampling_defaults == "model" else {})
+        self._pool: ThreadPoolExecutor | None = None
 
-    def build(self, obj: GenerateReqInput, in_flight: Any) -> tuple[list[TokenizedGenerateReq], bool, bool]:
-        """(wire requests, is a single request, return_text_in_logprobs). `in_flight` holds the rids
-        already running, which a new request may not reuse."""
-        return self._prepare(obj, in_flight)
+    async def build(self, obj: GenerateReqInput) -> Built:
+        """(wire requests with n > 1 expanded, is a single request, return_text_in_logprobs), built on
+        the worker thread for a large input. Raises ValueError."""
+        if input_size(obj) < LARGE_INPUT:
+            return self._build(obj, large=False)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._build, obj, True)
 
-    def _prepare(self, obj: GenerateReqInput, in_flight: Any) -> tuple[list[TokenizedGenerateReq], bool, bool]:
-        """Normalizes single/batch input into wire requests (n > 1 expanded). Raises ValueError."""
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _build(self, obj: GenerateReqInput, large: bool) -> Built:
         validate_generate_fields(obj, self.server_args.max_top_logprobs)
-        items, is_single = self._split_items(obj)
-        texts = [it["text"] for it in items if it.get("text") is not None]
+        if large:
+            texts = [t for t in (obj.text if isinstance(obj.text, list) else [obj.text]) if isinstance(t, str)]
+            head = max(LARGE_INPUT, HEAD_CHARS_PER_TOKEN * self.context_len)
+            check_prefix_fits(self.tokenizer, texts, self.context_len, head)
+        items, is_single = _split_items(obj)
+        texts = [it.text for it in items if it.text is not None]
         encoded = iter(encode_texts(self.tokenizer, texts)) if texts else iter(())
         reqs: list[TokenizedGenerateReq] = []
         for i, it in enumerate(items):
-            ids = list(next(encoded)) if it.get("text") is not None else it["input_ids"]
-            where = "" if is_single else f"item {i}: "
+            ids = list(next(encoded)) if it.text is not None else it.input_ids
             try:
-                reqs.extend(self._make_reqs(it, ids, obj))
+                reqs.extend(self._make_reqs(it, ids))
             except ValueError as e:
-                raise ValueError(f"{where}{e}") from None
+                raise ValueError(f"{'' if is_single else f'item {i}: '}{e}") from None
         rids = [r.rid for r in reqs]
-        if len(set(rids)) != len(rids) or any(rid in in_flight for rid in rids):
+        if len(set(rids)) != len(rids):
             raise ValueError("Duplicate request id (rid) among the requests in flight")
         return reqs, is_single and len(reqs) == 1, bool(obj.return_text_in_logprobs)
 
-    def _split_items(self, obj: GenerateReqInput) -> tuple[list[dict[str, Any]], bool]:
-        """One dict of per-item fields for each prompt of the request."""
-        if (obj.text is None) == (obj.input_ids is None):
-            raise ValueError("Exactly one of `text` and `input_ids` must be given")
-        if obj.text is not None:
-            if isinstance(obj.text, str):
-                prompts, is_single = [obj.text], True
-            elif isinstance(obj.text, list) and all(isinstance(t, str) for t in obj.text):
-                prompts, is_single = list(obj.text), False
-            else:
-                raise ValueError("`text` must be a string or a list of strings")
-            key = "text"
-        else:
-            ids = obj.input_ids
-            if not isinstance(ids, list):
-                raise ValueError("`input_ids` must be a list of token ids or a list of such lists")
-            is_single = not ids or not isinstance(ids[0], list)
-            prompts = [ids] if is_single else ids
-            key = "input_ids"
-        if not prompts:
-            raise ValueError("The batch is empty")
-        items = [{key: p} for p in prompts]
-        for name in PER_ITEM_FIELDS:
-            value = getattr(obj, name)
-            if isinstance(value, list):
-                if is_single or len(value) != len(items):
-                    raise ValueError(f"`{name}` must be a single value or a list with one entry per prompt")
-                for it, v in zip(items, value, strict=True):
-                    it[name] = v
-            elif name == "rid" and value is not None and not is_single:
-                raise ValueError("`rid` must be a list with one id per prompt for a batch")
-            else:
-                for it in items:
-                    it[name] = value
-        return items, is_single
-
-    def _make_reqs(self, it: dict[str, Any], ids: Any, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
+    def _make_reqs(self, item: GenerateReqInput, ids: Any) -> list[TokenizedGenerateReq]:
+        """The wire request(s) of one prompt; its raw fields were validated by _build already."""
         self._check_ids(ids)
-        raw_params = it["sampling_params"]
+        raw_params = item.sampling_params
         params = SamplingParams.from_dict(raw_params, self.sampling_defaults)
         params.verify_vocab(self.vocab_size)
         self._check_constraint_size(params)
         self._check_lengths(len(ids), params, explicit=bool(raw_params) and raw_params.get("max_new_tokens")
                             is not None)
-        start = it["logprob_start_len"]
-        start = -1 if start is None else start
-        top_n = it["top_logprobs_num"] or 0
-        if not isinstance(start, int) or start < -1:
-            raise ValueError("logprob_start_len must be -1 (output only) or a prompt position >= 0")
-        if not isinstance(top_n, int) or not 0 <= top_n <= self.vocab_size:
+        start = -1 if item.logprob_start_len is None else item.logprob_start_len
+        top_n = item.top_logprobs_num or 0
+        if top_n > self.vocab_size:        # --max-top-logprobs may exceed a small vocabulary
             raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}]")
         if start >= 0:
             check_logprob_start(start, len(ids))
-        rid = it["rid"] if it["rid"] is not None else uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("rid must be a non-empty string")
-        base = dict(input_ids=list(ids), return_logprob=bool(it["return_logprob"]), logprob_start_len=start,
-                    top_logprobs_num=top_n, stream=bool(obj.stream), priority=obj.priority or 0,
-                    timeout=obj.timeout if obj.timeout is not None else self.server_args.request_timeout)
+        rid = item.rid if item.rid is not None else uuid.uuid4().hex
+        base = dict(input_ids=list(ids), return_logprob=bool(item.return_logprob), logprob_start_len=start,
+                    top_logprobs_num=top_n, stream=bool(item.stream), priority=item.priority or 0,
+                    timeout=item.timeout if item.timeout is not None else self.server_args.request_timeout)
         if params.n == 1:
             return [TokenizedGenerateReq(rid=rid, sampling_params=params, **base)]
         return [TokenizedGenerateReq(rid=f"{rid}-{j}", sampling_params=_sample_params(params, j),
@@ -151,6 +146,64 @@ class RequestBuilder:
         if self.max_total_tokens and prompt_len + params.max_new_tokens > self.max_total_tokens:
             raise ValueError(f"The request needs up to {prompt_len + params.max_new_tokens} tokens of KV cache, "
                              f"but the KV pool holds only {self.max_total_tokens}")
+
+
+def _split_items(obj: GenerateReqInput) -> tuple[list[GenerateReqInput], bool]:
+    """One single-prompt GenerateReqInput for each prompt of the request (per-item lists resolved)."""
+    if (obj.text is None) == (obj.input_ids is None):
+        raise ValueError("Exactly one of `text` and `input_ids` must be given")
+    if obj.text is not None:
+        if isinstance(obj.text, str):
+            prompts, is_single = [obj.text], True
+        elif isinstance(obj.text, list) and all(isinstance(t, str) for t in obj.text):
+            prompts, is_single = list(obj.text), False
+        else:
+            raise ValueError("`text` must be a string or a list of strings")
+        key = "text"
+    else:
+        ids = obj.input_ids
+        if not isinstance(ids, list):
+            raise ValueError("`input_ids` must be a list of token ids or a list of such lists")
+        is_single = not ids or not isinstance(ids[0], list)
+        prompts = [ids] if is_single else ids
+        key = "input_ids"
+    if not prompts:
+        raise ValueError("The batch is empty")
+    items: list[dict[str, Any]] = [{key: p} for p in prompts]
+    for name in PER_ITEM_FIELDS:
+        value = getattr(obj, name)
+        if isinstance(value, list):
+            if is_single or len(value) != len(items):
+                raise ValueError(f"`{name}` must be a single value or a list with one entry per prompt")
+            for it, v in zip(items, value, strict=True):
+                it[name] = v
+        elif name == "rid" and value is not None and not is_single:
+            raise ValueError("`rid` must be a list with one id per prompt for a batch")
+        else:
+            for it in items:
+                it[name] = value
+    return [dataclasses.replace(obj, **it) for it in items], is_single
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, special tokens added as `tokenizer(texts)` adds them."""
+    fast = getattr(getattr(tokenizer, "_tokenizer", None), "encode_batch_fast", None)
+    if fast is None:
+        return tokenizer(texts)["input_ids"]
+    return [enc.ids for enc in fast(texts, add_special_tokens=True)]
+
+
+def check_prefix_fits(tokenizer: Any, texts: list[str], context_len: int, prefix_chars: int) -> None:
+    """Raises ValueError for a text whose first `prefix_chars` characters alone make more than
+    context_len + PREFIX_MARGIN_TOKENS tokens: the whole text cannot fit, so it is refused without
+    tokenizing the rest (a multi-megabyte prompt costs milliseconds, not seconds)."""
+    heads = [t[:prefix_chars] for t in texts if len(t) > prefix_chars]
+    if not heads:
+        return
+    for ids in encode_texts(tokenizer, heads):
+        if len(ids) > context_len + PREFIX_MARGIN_TOKENS:
+            raise ValueError(f"The input is longer than the model's context length of {context_len} tokens "
+                             f"(its first {prefix_chars} characters alone make {len(ids)} tokens)")
 
 
 def _sample_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -2,8 +2,9 @@
 
 One request's path through it:
 
-    generate(obj)  validate + tokenize (ValueError before anything is sent), one ReqState per
-                   sub-request (a batch item, or one of n samples) --TokenizedGenerateReq--> scheduler
+    generate(obj)  RequestBuilder.build: validate + tokenize (ValueError before anything is sent);
+                   one ReqState per sub-request (a batch item, or one of n samples), its rid reserved
+                   in the RidRegistry (req_state.py) --TokenizedGenerateReq--> scheduler
     _recv_loop     BatchStrOut from the detokenizer: append text/ids/logprobs, wake the waiter
     generate       yields SGLang-shaped dicts: one at the end, or cumulative chunks when streaming
 
@@ -18,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -27,7 +28,6 @@ import zmq.asyncio
 from ..router.dp_router import DPRouter
 from ..server_args import ServerArgs
 from .admission_control import AdmissionControl
-from .build_offload import OffloadedBuilder
 from .io_struct import (
     AbortReq,
     BatchStrOut,
@@ -41,9 +41,8 @@ from .io_struct import (
     TokenizedGenerateReq,
 )
 from .ipc import AsyncPuller, AsyncPusher, PortArgs
-from .req_state import MemoryTrimmer, ReqState, TokenTexts, charge_output, over_budget
+from .req_state import MemoryTrimmer, ReqState, RidRegistry, TokenTexts, charge_output, over_budget
 from .request_builder import RequestBuilder
-from .rid_registry import RidRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +66,18 @@ class TokenizerManager:
         self.context_len: int = int(scheduler_info["context_len"])
         self.vocab_size: int = int(scheduler_info.get("vocab_size") or len(self.tokenizer))
         self.max_total_tokens: int | None = scheduler_info.get("max_total_tokens")
-        self.requests = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
-                                       self.max_total_tokens)
-        self.builder = OffloadedBuilder(self.requests, server_args.max_top_logprobs, self.context_len)
+        self.builder = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
+                                      self.max_total_tokens)
         self.ctx = zmq.asyncio.Context()
         self.puller = AsyncPuller(self.ctx, port_args.tokenizer_input)
         self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
                         for r in range(server_args.dp_size)]
-        self.dp_router: Callable[[TokenizedGenerateReq], int] | None = None   # set by a DP router
-        self.router: DPRouter | None = None
+        self.router: DPRouter | None = None              # dp_size > 1: picks the replica of a request
         self._rank_of_rid: dict[str, int] = {}
         if server_args.dp_size > 1:
             self.router = DPRouter(server_args.load_balance_method, server_args.dp_size)
-            self.dp_router = lambda req: self.router.pick(req.input_ids)
         self._next_dp = 0
-        self.rids = RidRegistry()
-        self.rid_to_state: dict[str, ReqState] = self.rids.active
+        self.rids = RidRegistry()                        # rids.active: rid -> ReqState of every request in flight
         self.admission = AdmissionControl(server_args.max_queued_requests, server_args.dp_size * int(
             scheduler_info.get("max_running_requests") or 1))
         self.latest_stats: SchedulerStats | None = None
@@ -90,7 +85,7 @@ class TokenizerManager:
         self.dead_message: str | None = None
         self.token_texts = TokenTexts(self.tokenizer)
         self.token_texts.warm(len(self.tokenizer))
-        self.trimmer = MemoryTrimmer(lambda: not self.rid_to_state)
+        self.trimmer = MemoryTrimmer(lambda: not self.rids.active)
         self._control_waiters: dict[type, deque[asyncio.Future]] = {FlushCacheOut: deque(),
                                                                      GetInternalStateOut: deque()}
         self._control_lock: asyncio.Lock | None = None
@@ -114,7 +109,7 @@ class TokenizerManager:
         self.builder.close()
 
     def num_running_requests(self) -> int:
-        return len(self.rid_to_state)
+        return len(self.rids.active)
 
     def _check_alive(self) -> None:
         if self.dead_message is not None:
@@ -128,7 +123,7 @@ class TokenizerManager:
         self.start()
         self._check_alive()
         reqs, is_single, text_in_logprobs = await self.builder.build(obj)
-        self.admission.check(len(self.rid_to_state), len(reqs))   # OverloadedError: 503
+        self.admission.check(len(self.rids.active), len(reqs))   # OverloadedError: 503
         queue: asyncio.Queue = asyncio.Queue()
         states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids),
                            stream=bool(obj.stream)) for i, r in enumerate(reqs)]
@@ -220,8 +215,8 @@ class TokenizerManager:
             self.senders[rank_of_group[key]].send_nowait(req)
 
     def _pick_dp_rank(self, req: TokenizedGenerateReq) -> int:
-        if self.dp_router is not None:
-            return self.dp_router(req)
+        if self.router is not None:
+            return self.router.pick(req.input_ids)
         rank = self._next_dp % len(self.senders)
         self._next_dp += 1
         return rank
@@ -243,10 +238,6 @@ class TokenizerManager:
         if index is not None:
             out["index"] = index
         return out
-
-    def token_text(self, tid: int) -> str:
-        """Non-empty display text of one token (special tokens included)."""
-        return self.token_texts.text(tid)
 
     # -------------------------------------------------------------- receive
     async def _recv_loop(self) -> None:
@@ -381,7 +372,7 @@ class TokenizerManager:
     def _fail_all_now(self, message: str) -> None:
         self.dead_message = self.dead_message or message
         self.rids.clear_draining()
-        for st in list(self.rid_to_state.values()):
+        for st in list(self.rids.active.values()):
             if not st.finished:
                 st.error = message
                 st.notify.put_nowait(st.index)

@@ -9,15 +9,14 @@ from types import SimpleNamespace
 import pytest
 
 from radixlm.runtime.managers.io_struct import GenerateReqInput
-from radixlm.runtime.managers.req_state import ReqState, charge_output, over_budget
+from radixlm.runtime.managers.req_state import ReqState, RidRegistry, charge_output, over_budget
+from radixlm.runtime.managers.request_builder import PREFIX_MARGIN_TOKENS, check_prefix_fits, encode_texts
 from radixlm.runtime.managers.request_validation import (
     MAX_RID_CHARS,
     check_logprob_start,
     input_size,
     validate_generate_fields,
 )
-from radixlm.runtime.managers.rid_registry import RidRegistry
-from radixlm.runtime.managers.text_encoding import PREFIX_MARGIN_TOKENS, check_prefix_fits, encode_texts
 
 
 def _state(rid: str, stream: bool = False, logprob: bool = False) -> ReqState:
