@@ -64,6 +64,8 @@ class QuantWeight:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [n] (int) dequantized: [n, in] in `dtype`."""
         ids = ids.reshape(-1).long()
+        if len(self.parts) == 1:
+            return _part_rows(self.parts[0], ids, self.in_features).to(dtype)
         out = torch.empty(ids.numel(), self.in_features, dtype=dtype)
         start = 0
         for p in self.parts:

@@ -55,7 +55,7 @@ class ModelRunner:
         self._init_distributed()
         from ..models.weight_loader import load_model
 
-        self.model = load_model(self.model_config, self.device)
+        self.model = load_model(self.model_config, self.device, disable_gguf_quant=server_args.disable_gguf_quant)
         if not (server_args.disable_packed_weights or server_args.enable_torch_compile):
             pack_linear_weights(self.model)
         self.dtype = self.model_config.dtype
