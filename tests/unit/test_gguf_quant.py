@@ -45,12 +45,16 @@ def _gguf_name(hf: str) -> str:
     return f"{NAMES[parts[1]]}.weight"
 
 
-def write_tiny_gguf(folder: Path, qtype: int, tied: bool) -> tuple[Path, Path]:
-    """(the .gguf file, an HF config folder for our ModelConfig) of a random tiny Llama in `qtype`."""
+def write_tiny_gguf(folder: Path, qtype: int, tied: bool, tokenizer_from: str | None = None) -> tuple[Path, Path]:
+    """(the .gguf file, an HF config folder for our ModelConfig) of a random tiny Llama in `qtype`.
+    With `tokenizer_from` (a .gguf), its tokenizer metadata is copied and sets the vocabulary, so
+    the file also loads by path (ModelConfig.from_path materializes the tokenizer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    tokenizer = gguf.GGUFReader(tokenizer_from) if tokenizer_from else None
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].contents()) if tokenizer else VOCAB
     config = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                         num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=VOCAB,
+                         num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=vocab,
                          max_position_embeddings=256, tie_word_embeddings=tied, initializer_range=0.1,
                          rms_norm_eps=1e-5)
     torch.manual_seed(qtype)
@@ -67,7 +71,11 @@ def write_tiny_gguf(folder: Path, qtype: int, tied: bool) -> tuple[Path, Path]:
     writer.add_rope_dimension_count(HIDDEN // HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(VOCAB)
+    writer.add_vocab_size(vocab)
+    for name, field in (tokenizer.fields.items() if tokenizer else ()):
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
     for name, w in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
