@@ -13,7 +13,8 @@ runs the Python forward).
 
 It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
 fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
-linear weights may be plain, in the AVX512-BF16 gemm layout or in oneDNN's packed layout.
+linear weights may be plain, in the AVX512-BF16 gemm layout, in oneDNN's packed layout, or GGUF
+weights kept quantized in kernels/cpu_quant's layout (one GGUF type per fused layer).
 `create` logs why not otherwise, and the Python forward runs.
 """
 
