@@ -16,6 +16,7 @@ the part (`dequantize`, exact vs gguf.quants.dequantize) and multiplies in fp32:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,29 +77,43 @@ class QuantWeight:
         return out
 
 
-def quant_weight(shards: list[tuple[torch.Tensor, int, int]], in_features: int) -> QuantWeight:
-    """A QuantWeight from (file bytes, GGUF type, rows) shards stacked along the output dim.
-
-    Consecutive shards of one type become one part (one kernel call); each part is repacked for
-    the kernel when it is on, else kept in the file's layout.
-    """
+def _merged(shards: list[tuple[torch.Tensor, int, int]]) -> list[tuple[list[torch.Tensor], int, int]]:
+    """Consecutive shards of one type joined: [(raws, type, rows)]."""
     merged: list[tuple[list[torch.Tensor], int, int]] = []
     for raw, qtype, rows in shards:
         if qtype not in QUANT_TYPES:
             raise ValueError(f"GGUF type {qtype} is not kept quantized")
         if merged and merged[-1][1] == qtype:
-            merged[-1][0].append(raw.reshape(rows, -1))
-            merged[-1] = (merged[-1][0], qtype, merged[-1][2] + rows)
+            merged[-1] = (merged[-1][0] + [raw.reshape(rows, -1)], qtype, merged[-1][2] + rows)
         else:
             merged.append(([raw.reshape(rows, -1)], qtype, rows))
+    return merged
+
+
+def packed_bytes(shards: list[tuple[torch.Tensor, int, int]], in_features: int) -> int:
+    """Bytes quant_weight takes from `alloc` for these shards (0 when the kernel is off)."""
+    mod = load_cpu_quant()
+    return 0 if mod is None else sum(mod.packed_bytes(t, rows, in_features)
+                                     for _, t, rows in _merged(shards) if t in KERNEL_TYPES)
+
+
+def quant_weight(shards: list[tuple[torch.Tensor, int, int]], in_features: int,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> QuantWeight:
+    """A QuantWeight from (file bytes, GGUF type, rows) shards stacked along the output dim.
+
+    Consecutive shards of one type become one part (one kernel call); each part is repacked for
+    the kernel when it is on (into `alloc(nbytes)`, a uint8 buffer; default a new tensor), else
+    kept in the file's layout.
+    """
     parts = []
-    for raws, qtype, rows in merged:
+    for raws, qtype, rows in _merged(shards):
         raw = torch.cat(raws).contiguous()
         mod = load_cpu_quant() if qtype in KERNEL_TYPES else None
         if mod is None:
             parts.append(QuantPart(qtype, rows, raw, packed=False))
             continue
-        out = torch.empty(mod.packed_bytes(qtype, rows, in_features), dtype=torch.uint8)
+        nbytes = mod.packed_bytes(qtype, rows, in_features)
+        out = alloc(nbytes) if alloc is not None else torch.empty(nbytes, dtype=torch.uint8)
         mod.repack(raw, qtype, rows, in_features, out)
         parts.append(QuantPart(qtype, rows, out, packed=True))
     return QuantWeight(parts, in_features)
