@@ -79,10 +79,12 @@ def cpu_model_name() -> str:
 
 
 def build_dir(kind: str, isa: str, hashed_files: list[Path], flags: list[str]) -> Path:
-    """The cache folder for one build: keyed on the sources' bytes, the flags and torch's version.
+    """The cache folder for one build: keyed on the sources' paths and bytes, the flags and torch's version
+    (so two checkouts sharing the cache do not rebuild each other's builds).
     Side effect: creates the folder."""
     h = hashlib.sha256()
-    for path in hashed_files:
+    for path in hashed_files:   # the path too: ninja rebuilds whenever build.ninja names other paths
+        h.update(str(path.resolve()).encode())
         h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())

@@ -57,6 +57,7 @@ class ServerArgs:
                                       "Default: the bundled demo model.")
     load_format: str = _f("auto", "Checkpoint format (auto: .gguf files are GGUF, folders safetensors).",
                           ("auto", "safetensors", "gguf"))
+    disable_gguf_quant: bool = _env("disable_gguf_quant")
     tokenizer_path: str | None = _f(None, "Tokenizer folder or hub id (default: --model-path).")
     served_model_name: str | None = _f(None, "Model name shown by the OpenAI API (default: --model-path).")
     chat_template: str | None = _f(None, "Chat template: a .jinja file, or a name (chatml, llama-3, qwen, default).")

@@ -7,7 +7,8 @@
 
 Each linear is a tuple (weight, bias or None, out_features, kind): kind 0 is a dense [out, in]
 weight (at::linear), 1 kernels/cpu_gemm's layout, 2 oneDNN's packed layout
-(mkldnn::_linear_pointwise). decoder.cpp has the layer sequence; it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
+(mkldnn::_linear_pointwise), 100 + a ggml type kernels/cpu_quant's repacked GGUF layout (on CPUs
+with AVX512-VNNI; `mod.with_quant` says whether it was compiled in). decoder.cpp has the layer sequence; it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
 with the flags those extensions use, so it computes what they compute. The model side (which
 models and settings it takes) is runtime/model_executor/cpu_decoder.py.
 
@@ -22,10 +23,11 @@ from pathlib import Path
 from ...runtime import env
 from ..cpu_build import load_extension, pick_isa
 from ..cpu_gemm import GEMM_FLAGS, gemm_enabled
+from ..cpu_quant import QUANT_FLAGS, cpu_supports_quant
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",
-            _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h"]
+            _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h", _KERNELS / "cpu_quant" / "quant.h"]
 
 
 @functools.cache
@@ -34,5 +36,7 @@ def load_cpu_decoder():
     if env.DISABLE_CPU_DECODER.get():
         return None
     flags = (*GEMM_FLAGS, "-DRADIXLM_WITH_GEMM") if gemm_enabled() else ()
+    if cpu_supports_quant():
+        flags = (*flags, *QUANT_FLAGS, "-DRADIXLM_WITH_QUANT")
     return load_extension("cpu_decoder", "one-call CPU decoder", pick_isa(), [Path(__file__).parent / "decoder.cpp"],
                           _HEADERS, extra_flags=flags)

@@ -31,13 +31,16 @@
 
 #include "fused_ops.h"
 #include "paged_attention.h"
+#ifdef RADIXLM_WITH_QUANT
+#include "quant.h"
+#endif
 #ifdef RADIXLM_WITH_GEMM
 #include "gemm.h"
 #endif
 
 namespace radixlm_decoder {
 
-enum LinearKind : int64_t { kDense = 0, kGemm = 1, kOneDnn = 2 };
+enum LinearKind : int64_t { kDense = 0, kGemm = 1, kOneDnn = 2, kQuantBase = 100 };   // 100 + ggml type: cpu_quant
 
 // oneDNN's matmul on a weight packed by torch.ops.mkldnn._reorder_linear_weight
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -63,6 +66,11 @@ struct Linear {
 #ifdef RADIXLM_WITH_GEMM
       y = radixlm_gemm::linear(x, weight, out_features, b);
 #endif
+    } else if (kind >= kQuantBase) {
+#ifdef RADIXLM_WITH_QUANT
+      y = radixlm_quant::linear(x, weight, kind - kQuantBase, out_features);
+      if (b.has_value()) y = at::add(y, *b);
+#endif
     } else if (kind == kOneDnn) {
       y = onednn_linear(x, weight, b);
     } else {
@@ -87,7 +95,11 @@ Linear make_linear(const LinearArgs& a, bool bias_after) {
   l.out_features = std::get<2>(a);
   l.kind = std::get<3>(a);
   l.bias_after = bias_after;
-  TORCH_CHECK(l.kind == kDense || l.kind == kGemm || l.kind == kOneDnn, "cpu_decoder: unknown linear kind ", l.kind);
+  TORCH_CHECK(l.kind == kDense || l.kind == kGemm || l.kind == kOneDnn || l.kind > kQuantBase,
+              "cpu_decoder: unknown linear kind ", l.kind);
+#ifndef RADIXLM_WITH_QUANT
+  TORCH_CHECK(l.kind < kQuantBase, "cpu_decoder: built without the quantized kernel, so GGUF weights are not supported");
+#endif
 #ifndef RADIXLM_WITH_GEMM
   TORCH_CHECK(l.kind != kGemm, "cpu_decoder: built without the gemm kernel, so its layout is not supported");
 #endif
@@ -207,10 +219,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Decoder(num_heads, num_kv_heads, head_dim, eps, scaling, cos_cache, sin_cache, final_norm)")
       .def("add_layer", &radixlm_decoder::Decoder::add_layer,
            "add_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, gate_up, down, k_cache, v_cache); "
-           "each linear is (weight, bias|None, out_features, kind: 0 dense, 1 gemm layout, 2 oneDNN packed)")
+           "each linear is (weight, bias|None, out_features, kind: 0 dense, 1 gemm layout, 2 oneDNN packed, "
+           "100 + ggml type: cpu_quant's layout)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);
+#ifdef RADIXLM_WITH_QUANT
+  m.attr("with_quant") = true;
+#else
+  m.attr("with_quant") = false;
+#endif
 #ifdef RADIXLM_WITH_GEMM
   m.attr("with_gemm") = true;
 #else

@@ -39,6 +39,7 @@ from torch import nn
 from ...kernels.cpu_gemm import load_cpu_gemm
 from .. import env
 from ..mem_cache.huge_pages import huge_page_empty, transparent_huge_pages
+from .quant_linear import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,13 @@ def packing_supported(weight: torch.Tensor) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | GemmWeight | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | GemmWeight | QuantWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one. x: [n, in] -> [n, out]."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, QuantWeight):           # GGUF weights kept quantized (quant_linear.py)
+        return packed.linear(x, bias)
     if isinstance(packed, GemmWeight):
         if x.stride(-1) != 1:
             x = x.contiguous()

@@ -16,6 +16,7 @@ from torch import nn
 from ..distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from ..utils import ceil_div
 from .packed_linear import linear
+from .quant_linear import QuantWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,6 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quant_weight: QuantWeight | None = None   # a GGUF table kept quantized (models/gguf_quant.py)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.vocab_size or loaded_weight.shape[1] != param.shape[1]:
@@ -40,6 +42,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: self.num_real_rows].copy_(loaded_weight.narrow(0, self.vocab_start, self.num_real_rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:             # one rank only: rows dequantized on lookup
+            return self.quant_weight.rows(input_ids, self.weight.dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start

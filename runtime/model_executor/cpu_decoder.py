@@ -13,7 +13,8 @@ runs the Python forward).
 
 It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
 fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
-linear weights may be plain, in the AVX512-BF16 gemm layout or in oneDNN's packed layout.
+linear weights may be plain, in the AVX512-BF16 gemm layout, in oneDNN's packed layout, or GGUF
+weights kept quantized in kernels/cpu_quant's layout (one GGUF type per fused layer).
 `create` logs why not otherwise, and the Python forward runs.
 """
 
@@ -27,6 +28,7 @@ from torch import nn
 from ...kernels import cpu_ops
 from ...kernels.cpu_decoder import load_cpu_decoder
 from ..layers.packed_linear import GemmWeight
+from ..layers.quant_linear import QuantWeight
 from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class CpuDecoder:
 
 
 DENSE, GEMM, ONEDNN = 0, 1, 2       # the weight layouts decoder.cpp takes (packed_linear.py makes them)
+QUANT_BASE = 100                    # + a ggml type: kernels/cpu_quant's layout (quant_linear.py)
 
 
 def _linear_args(layer: nn.Module) -> tuple:
@@ -82,6 +85,8 @@ def _linear_args(layer: nn.Module) -> tuple:
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(packed, GemmWeight):
         return packed.data, bias, packed.out_features, GEMM
+    if isinstance(packed, QuantWeight):                        # one part, repacked (checked before)
+        return packed.parts[0].data, bias, packed.out_features, QUANT_BASE + packed.parts[0].qtype
     if packed is not None:
         return packed, bias, packed.shape[0], ONEDNN           # an opaque oneDNN tensor, [out, in] sizes
     return layer.weight.detach(), bias, layer.weight.shape[0], DENSE
@@ -113,6 +118,9 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     for layer in inner.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
+            quant = linear.packed_weight
+            if isinstance(quant, QuantWeight) and (len(quant.parts) != 1 or not quant.parts[0].packed):
+                return "GGUF weights of mixed types in one fused layer, or the quantized kernel off"
             if linear.packed_weight is None and linear.weight.dtype != weight.dtype:
                 return "mixed weight dtypes"
     return None

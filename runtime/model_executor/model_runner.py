@@ -58,7 +58,7 @@ class ModelRunner:
 
         if self.device.type == "cpu":
             prepare_onednn_isa()          # AMX tile permission (or oneDNN's ISA cap) before any matmul
-        self.model = load_model(self.model_config, self.device)
+        self.model = load_model(self.model_config, self.device, disable_gguf_quant=server_args.disable_gguf_quant)
         if not (server_args.disable_packed_weights or server_args.enable_torch_compile):
             pack_linear_weights(self.model)
         self.dtype = self.model_config.dtype

@@ -9,7 +9,11 @@ quantized (Q4_1, Q8_0, ...). Two pieces:
   normal HF model folder. Done once per file; later calls only check the folder exists.
 - `iterate_gguf_weights(file, num_heads, num_kv_heads)` dequantizes each tensor with the `gguf`
   package (fp32), renames it to its HF name, and undoes llama.cpp's q/k row permutation, so
-  `load_weights` sees exactly what an HF safetensors checkpoint would hold.
+  `load_weights` sees exactly what an HF safetensors checkpoint would hold. With
+  `keep_quantized=True`, 2-D weights in a type runtime/layers/quant_linear.py keeps quantized
+  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) come as `GGUFQuantized` (the file's bytes, rows permuted the same
+  way: a block covers 32 inputs of one row, so reordering rows is exact); runtime/models/gguf_quant.py
+  attaches those to the layers.
 
 The permutation: llama.cpp's converter reorders the rows of q_proj and k_proj within each head from
 HF's rotate-half layout (first half / second half of head_dim) to interleaved pairs, because its
@@ -27,6 +31,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -142,25 +147,49 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf_weights(gguf_file: str | Path, num_heads: int, num_kv_heads: int,
-                         show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, fp32 CPU tensor) for every tensor of the file, dequantized one at a time.
+@dataclass
+class GGUFQuantized:
+    """A weight kept in its GGUF type: `raw` holds the file's bytes, [rows, bytes per row] uint8."""
+
+    raw: torch.Tensor
+    qtype: int
+    rows: int
+    cols: int
+
+
+def iterate_gguf_weights(gguf_file: str | Path, num_heads: int, num_kv_heads: int, show_progress: bool = True,
+                         keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFQuantized]]:
+    """Yields (HF name, fp32 CPU tensor) for every tensor of the file, dequantized one at a time
+    (or, with `keep_quantized`, a GGUFQuantized for 2-D weights of the types kept quantized).
 
     Tensors without an HF counterpart (e.g. llama.cpp's rope_freqs) are logged and skipped.
     """
     from gguf import GGUFReader, dequantize
 
+    from ..layers.quant_linear import QUANT_TYPES
+
     reader = GGUFReader(str(gguf_file))
     permute = str(reader.fields["general.architecture"].contents()) == "llama"
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not show_progress):
+    for tensor in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", disable=not show_progress):
         name = hf_tensor_name(tensor.name)
         if name is None:
             logger.warning("Skipping GGUF tensor %s: no Hugging Face counterpart", tensor.name)
             continue
+        if keep_quantized and int(tensor.tensor_type) in QUANT_TYPES and len(tensor.shape) == 2:
+            cols, rows = (int(v) for v in tensor.shape)             # GGUF lists dims innermost first
+            weight = torch.from_numpy(tensor.data.copy()).reshape(rows, -1)
+            yield name, GGUFQuantized(_unpermuted(weight, name, permute, num_heads, num_kv_heads),
+                                      int(tensor.tensor_type), rows, cols)
+            continue
         # dequantize returns numpy in HF order ([out, in]); the reader's memory map is read-only
         weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
-        if permute and ".self_attn.q_proj." in name:
-            weight = unpermute_qk(weight, num_heads)
-        elif permute and ".self_attn.k_proj." in name:
-            weight = unpermute_qk(weight, num_kv_heads)
-        yield name, weight
+        yield name, _unpermuted(weight, name, permute, num_heads, num_kv_heads)
+
+
+def _unpermuted(weight: torch.Tensor, name: str, permute: bool, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """`weight` with llama.cpp's q/k row order undone for q_proj / k_proj (rows are the first dim)."""
+    if permute and ".self_attn.q_proj." in name:
+        return unpermute_qk(weight, num_heads)
+    if permute and ".self_attn.k_proj." in name:
+        return unpermute_qk(weight, num_kv_heads)
+    return weight

@@ -50,17 +50,24 @@ def iterate_weights(folder: str | Path, show_progress: bool = True) -> Iterator[
                 yield name, f.get_tensor(name)
 
 
-def checkpoint_weights(config: ModelConfig, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) pairs from the config's GGUF file if it has one, else its safetensors."""
+def checkpoint_weights(config: ModelConfig, show_progress: bool = True,
+                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) pairs from the config's GGUF file if it has one, else its safetensors.
+    With `keep_quantized`, a GGUF file's quantized weights come as GGUFQuantized (gguf_loader.py)."""
     if config.gguf_file:
         from .gguf_loader import iterate_gguf_weights
 
-        return iterate_gguf_weights(config.gguf_file, config.num_heads, config.num_kv_heads, show_progress)
+        return iterate_gguf_weights(config.gguf_file, config.num_heads, config.num_kv_heads, show_progress,
+                                    keep_quantized=keep_quantized)
     return iterate_weights(config.path, show_progress=show_progress)
 
 
-def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_progress: bool | None = None) -> nn.Module:
+def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_progress: bool | None = None,
+               disable_gguf_quant: bool | None = None) -> nn.Module:
     """Builds the model for `config` in `config.dtype` on `device` and loads its weights.
+
+    A GGUF file's quantized weights stay quantized (gguf_quant.py) unless `disable_gguf_quant`
+    (default: --disable-gguf-quant / RADIXLM_DISABLE_GGUF_QUANT) or the device / TP size rule it out.
 
     Raises ModelLoadError when the heads do not split over the TP size or a parameter gets no weight.
     The progress bar shows on TP rank 0 only (unless `show_progress` says otherwise).
@@ -68,7 +75,15 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_pro
     config.check_tp_size(get_tp_size())
     model = build_model(config, device)
     progress = get_tp_rank() == 0 if show_progress is None else show_progress
-    loaded = model.load_weights(checkpoint_weights(config, show_progress=progress))
+    if config.gguf_file:
+        from .gguf_quant import attach_quantized, divert_quantized, keep_quantized
+
+        quantized: list = []
+        weights = checkpoint_weights(config, progress, keep_quantized(device, get_tp_size(), disable_gguf_quant))
+        loaded = model.load_weights(divert_quantized(weights, quantized))
+        loaded |= attach_quantized(model, quantized, config.tie_word_embeddings)
+    else:
+        loaded = model.load_weights(checkpoint_weights(config, show_progress=progress))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

