@@ -2,7 +2,8 @@
 
 bf16 is where CPU fast paths can drift from the reference (prepacked weights, fused kernels, the
 paged attention kernels), so the whole engine runs the chat prompts, batched, and each output is
-compared with HF transformers' greedy output in bf16, teacher-forced:
+compared with HF transformers' greedy output in bf16, teacher-forced. The GGUF weights are dequantized
+(`--disable-gguf-quant`) as HF's are; the quantized path is tests/unit/test_gguf_quant.py's.
 
 The LM head's logits are bf16 in both, so two tokens can tie, and which one wins is then decided by
 rounding noise (radixlm's bf16 gemm sums in k order where oneDNN splits some sums differently, and
@@ -42,8 +43,8 @@ def test_bf16_engine_greedy_matches_hf_bf16_teacher_forced() -> None:
     ids = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
     expected = [list(t) for t in hf_greedy_chat(MAX_NEW, "bfloat16")]
     tied_prompts = set()
-    with Engine(model_path=smollm2_gguf(), dtype="bfloat16", context_length=2048,
-                max_total_tokens=8192) as engine:
+    with Engine(model_path=smollm2_gguf(), dtype="bfloat16", context_length=2048, max_total_tokens=8192,
+                disable_gguf_quant=True) as engine:
         outs = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
         for i, out in enumerate(outs):
             want, got, done = expected[i], out["output_ids"], 0   # got continues want[:done]
