@@ -9,7 +9,6 @@ For each request of the step, with [p, p + n) the tokens just computed:
 from __future__ import annotations
 
 import re
-import time
 from functools import lru_cache
 
 import torch
@@ -132,7 +131,19 @@ class OutputProcessor:
                 req.output_top_logprobs.extend([(0.0, t)] for t in forced)
         self.check_finished(req, forced[-1])
 
+    @staticmethod
+    def finished_before_sampling(req: Req) -> bool:
+        """A request that asks for no new tokens (prefill only) finishes when its prompt is computed."""
+        if req.sampling_params.max_new_tokens == 0:
+            req.finished_reason = {"type": "length", "length": 0}
+            return True
+        return False
+
     def check_finished(self, req: Req, last: int) -> None:
+        """The stop rules after each new token (the one place they are decided; the detokenizer
+        only holds back text that may become a stop, and trims at the `matched` stop it is told):
+        stop token ids, eos, stop strings, stop_regex (after min_new_tokens), then max_new_tokens,
+        the context length and a terminated grammar."""
         sp = req.sampling_params
         out_len = len(req.output_ids)
         if out_len >= sp.min_new_tokens:
@@ -230,6 +241,3 @@ def stop_regex_window(patterns: list[str]) -> int | None:
     widths = [_max_match_len(p) for p in patterns]
     return None if any(w is None for w in widths) else max(widths, default=0)
 
-
-def now() -> float:
-    return time.monotonic()

@@ -121,11 +121,3 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
-
-    def reset_for_recompute(self) -> None:
-        """After retraction: all KV is gone from this request; it will prefill prompt + outputs again."""
-        self.req_pool_idx = None
-        self.cached_len = 0
-        self.prefix_indices = _EMPTY
-        self.last_node = None
-        self.num_preemptions += 1

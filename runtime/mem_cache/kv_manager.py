@@ -16,8 +16,9 @@ The life of a request, as the planner and the scheduler drive it:
     kv.lock(match.last_node)                  the prefix is now safe from eviction
     kv.admit(req, match)                      a row; row[0, prefix_len) = the matched slots
     loc = kv.alloc_extend(reqs, extend_lens)  row[cached_len, cached_len + n) = fresh slots
-    ... forward pass; req.cached_len += n ...
-    kv.cache_unfinished_req(req)              a chunk is done: share it, lock the longer prefix
+    ... forward pass ...
+    kv.commit(reqs, extend_lens)              cached_len += n; a finished chunk or prefill is shared
+                                              (cache_unfinished_req: share it, lock the longer prefix)
     kv.cache_finished_req(req)                done, aborted or retracted: share, free the rest
 
 Not thread-safe: only the scheduler loop calls it.
@@ -45,6 +46,8 @@ class KVReq(Protocol):
 
     req_pool_idx: int | None       # row in req_to_token
     all_ids: list[int]             # prompt + output token ids
+    prompt_len: int                # len(origin_input_ids)
+    seq_len: int                   # len(all_ids)
     cached_len: int                # tokens at the front of the row whose KV slots are held
     prefix_indices: torch.Tensor   # slots of the cache-owned prefix (len == prefix length)
     last_node: TreeNode | None     # node this request has locked
@@ -204,6 +207,25 @@ class KVManager:
         return out
 
     # ----------------------------------------------------------- caching
+    def commit(self, reqs: list[KVReq], extend_lens: list[int]) -> list[int]:
+        """The forward pass over tokens [cached_len, cached_len + n) of each request is done.
+
+        Advances each `cached_len` by its n. A request still mid-prefill (a chunk) shares what it
+        has computed with the cache, and so does one whose prefill just completed (its prompt is
+        then in the tree for others); decodes share nothing until they finish. Returns the indices
+        (into `reqs`) of the requests whose whole sequence is now computed: those sample a token.
+        """
+        ready: list[int] = []
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+            was_prefill = req.cached_len < req.prompt_len
+            req.cached_len += n
+            done = req.cached_len >= req.seq_len
+            if was_prefill or not done:
+                self.cache_unfinished_req(req)
+            if done:
+                ready.append(i)
+        return ready
+
     def cache_finished_req(self, req: KVReq) -> None:
         """The request is done (finished, aborted or retracted): share its KV, free the rest.
 
@@ -212,8 +234,9 @@ class KVManager:
           [prefix_len, ins.prefix_len)   the request's copies of tokens the cache had -> freed
           [ins.prefix_len, ins.cached_len) new to the cache                           -> cache
           [ins.cached_len, cached_len)   partial last page (or no cache at all)       -> freed
-        Afterwards the request owns nothing: no row, no lock, empty `prefix_indices`. Idempotent:
-        on a request without a row (never admitted, or already cached) it only drops a held lock.
+        Afterwards the request owns nothing: no row, no lock, empty `prefix_indices`, `cached_len`
+        0 (a retracted request is recomputed from here). Idempotent: on a request without a row
+        (never admitted, or already cached) it only drops a held lock.
         """
         row = req.req_pool_idx
         if row is not None:
@@ -222,7 +245,7 @@ class KVManager:
             self.allocator.free(slots[ins.cached_len:])
             self.req_to_token_pool.free(row)
         self.prefix_cache.dec_lock_ref(req.last_node)
-        req.req_pool_idx, req.last_node, req.prefix_indices = None, None, _EMPTY
+        req.req_pool_idx, req.last_node, req.prefix_indices, req.cached_len = None, None, _EMPTY, 0
 
     def cache_unfinished_req(self, req: KVReq) -> None:
         """The request keeps running (a chunk of its prefill is done): share its KV so far.

@@ -186,6 +186,16 @@ class CacheMachine(RuleBasedStateMachine):
         self._match_checked(data.draw(self.keys(self.page_size)) + tail)
 
     @rule(data=st.data())
+    def peek(self, data: st.DataObject) -> None:
+        tail = data.draw(st.lists(st.integers(0, 2), max_size=self.page_size - 1))
+        key = data.draw(self.keys(self.page_size)) + tail
+        shape = [(n.id, len(n.key), n.last_access) for n in self.cache._nodes()]
+        length, node, node_len = self.cache.peek_prefix(key)
+        assert length == len(ref_match(self.ref, key, self.page_size))
+        assert node_path(node)[: len(node_path(node)) - len(node.key) + node_len] == tuple(key[:length])
+        assert [(n.id, len(n.key), n.last_access) for n in self.cache._nodes()] == shape   # changed nothing
+
+    @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         node, prefix = self._match_checked(data.draw(self.keys(self.page_size)))
         self.cache.inc_lock_ref(node)
