@@ -16,7 +16,7 @@ import torch
 from ...kernels.vocab_mask import allocate_vocab_mask
 from ..layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from ..layers.sampler import Sampler
-from ..layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
+from ..layers.sampling_batch_info import PenaltyState, SamplingBatchInfo, is_plain_greedy
 from .batch_planner import StepBatch
 from .io_struct import ReqTokenOut
 from .req import Req
@@ -91,7 +91,8 @@ class OutputProcessor:
             mask = words.to(self.device)                                # applied as bits by the sampler
         info = SamplingBatchInfo.build(params, [r.origin_input_ids for r in reqs],
                                        [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
-                                       self.device, vocab_mask=mask)
+                                       self.device, vocab_mask=mask,
+                                       penalty_states=[self._penalty_state(r) for r in reqs])
         out = self.sampler.sample(logits[:, : self.vocab_size], info, return_logprobs=want_lp)
         ids = out.next_token_ids.tolist()
         if want_lp:
@@ -104,6 +105,15 @@ class OutputProcessor:
                 if reqs[i].top_logprobs_num:
                     reqs[i].output_top_logprobs.append(tops[k])
         return ids
+
+    def _penalty_state(self, req: Req) -> PenaltyState | None:
+        """The request's penalty state, made from its prompt on its first penalized step."""
+        if not req.sampling_params.has_penalties:
+            return None
+        if req.penalty_state is None:
+            req.penalty_state = PenaltyState(req.sampling_params, req.origin_input_ids, self.vocab_size,
+                                             self.device)
+        return req.penalty_state
 
     # -------------------------------------------------------- token rules
     def append_token(self, req: Req, tid: int) -> None:

@@ -53,6 +53,7 @@ class Req:
     num_preemptions: int = 0             # times retracted to free KV (then recomputed)
     forward_passes: int = 0
     jump_forward_tokens: int = 0
+    penalty_state: Any = None            # PenaltyState (layers/sampling_batch_info.py), once penalized
     # structured generation
     grammar: Any = None                  # GrammarMatcher, once compiled
     grammar_future: Any = None

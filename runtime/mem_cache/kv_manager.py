@@ -171,7 +171,8 @@ class KVManager:
         """Slots for tokens [cached_len, cached_len + n) of each request, written into its row.
 
         Evicts cache as needed. Returns the int64 slots in request order (the pass's
-        `out_cache_loc`), or None, changing nothing, when even eviction cannot make room.
+        `out_cache_loc`, on the table's device), or None, changing nothing, when even eviction
+        cannot make room.
         """
         prefix_lens = [req.cached_len for req in reqs]
         ends = [p + n for p, n in zip(prefix_lens, extend_lens)]
@@ -179,14 +180,15 @@ class KVManager:
             return None
         table = self.req_to_token_pool.req_to_token
         rows = [req.req_pool_idx for req in reqs]
-        loc = self.allocator.alloc_extend(prefix_lens, ends, self._last_locs(rows, prefix_lens))
-        assert loc is not None, "allocation failed after ensure_free"
-        write_slots(table, rows, prefix_lens, ends, loc)
-        if self.page_size > 1 and loc.numel():
+        host_loc = self.allocator.alloc_extend(prefix_lens, ends, self._last_locs(rows, prefix_lens))
+        assert host_loc is not None, "allocation failed after ensure_free"
+        if self.page_size > 1 and host_loc.numel():
             last = (torch.tensor(ends) - torch.tensor(prefix_lens)).cumsum(0) - 1
-            for row, p, end, slot in zip(rows, prefix_lens, ends, loc[last.clamp(min=0)].tolist()):
+            for row, p, end, slot in zip(rows, prefix_lens, ends, host_loc[last.clamp(min=0)].tolist()):
                 if end > p:
                     self._tail_slot[row] = (end, slot)
+        loc = host_loc.to(table.device)          # the one host->device copy of out_cache_loc
+        write_slots(table, rows, prefix_lens, ends, loc)
         return loc
 
     def _last_locs(self, rows: list[int], prefix_lens: list[int]) -> list[int]:
