@@ -3,7 +3,7 @@
 One step's batch is every running request (decodes: their few uncached tokens; a chunked
 prefill: its next chunk) plus newly admitted waiting requests, as extends over
 
-    [cached_len, cached_len + extend_len)   of each request's all_ids.
+    [kv_committed_len, kv_committed_len + extend_len)   of each request's all_ids.
 
 When decode memory runs out it evicts unlocked cache, then retracts requests (fewest output
 tokens first); a retracted request keeps its KV in the tree (evictable) and is recomputed later.
@@ -43,11 +43,11 @@ class StepBatch:
 
     @property
     def prefix_lens(self) -> list[int]:
-        return [req.cached_len for req in self.reqs]
+        return [req.kv_committed_len for req in self.reqs]
 
     @property
     def seq_lens(self) -> list[int]:
-        return [req.cached_len + n for req, n in zip(self.reqs, self.extend_lens)]
+        return [req.kv_committed_len + n for req, n in zip(self.reqs, self.extend_lens)]
 
     @property
     def is_decode(self) -> bool:
@@ -95,13 +95,13 @@ class BatchPlanner:
         """Returns the next batch, its KV slots allocated and written into the requests' rows.
 
         Reads the scheduler's queues and never changes them: the batch says which requests the
-        scheduler moves (`requeue`). Admitted requests get a row, a locked prefix and cached_len
+        scheduler moves (`requeue`). Admitted requests get a row, a locked prefix and kv_committed_len
         set; retracted ones (preempted for memory) have given all their KV back.
         """
         batch = StepBatch()
         batch.retracted = self._fit_running(running)
         running = [req for req in running if req not in batch.retracted]
-        decoding = [req for req in running if req.cached_len >= req.prompt_len]
+        decoding = [req for req in running if req.kv_committed_len >= req.prompt_len]
         for req in decoding:
             batch.reqs.append(req)
             batch.extend_lens.append(req.extend_len)
@@ -111,7 +111,7 @@ class BatchPlanner:
             rem_reqs=self.max_running - len(running), page_size=self.page_size)
         budget.rem_reqs += len(running) - len(decoding)   # chunked requests already hold a row
         for req in running:
-            if req.cached_len < req.prompt_len:             # a chunked prefill continues first
+            if req.kv_committed_len < req.prompt_len:             # a chunked prefill continues first
                 n = budget.take(req.extend_len, self._reserve_of(req))
                 if n:
                     batch.reqs.append(req)
@@ -133,7 +133,7 @@ class BatchPlanner:
         radix = not self.args.disable_radix_cache
         in_flight = ChunkedTrie()
         for req in running:
-            if req.cached_len < req.prompt_len:
+            if req.kv_committed_len < req.prompt_len:
                 in_flight.insert(req.origin_input_ids)
         for req in order_waiting(self.args.schedule_policy, waiting, self.kv.prefix_cache, radix):
             admitted = self._try_admit(req, batch, budget, in_flight if radix else None)
@@ -183,7 +183,7 @@ class BatchPlanner:
         running = list(running)
         retracted: list[Req] = []
         while True:
-            decoding = [req for req in running if req.cached_len >= req.prompt_len]
+            decoding = [req for req in running if req.kv_committed_len >= req.prompt_len]
             need = self._need(StepBatch(decoding, [req.extend_len for req in decoding]))
             if self.kv.ensure_free(need) or len(running) <= 1:
                 return retracted

@@ -45,7 +45,7 @@ class OutputProcessor:
         spans: list[tuple[Req, int, int]] = []
         offset = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            p = req.cached_len
+            p = req.kv_committed_len
             if req.wants_input_logprobs:
                 lo = max(p, req.input_logprob_start - 1)
                 hi = min(p + n, req.prompt_len - 1)
@@ -64,7 +64,7 @@ class OutputProcessor:
                 if req.input_logprob_start == 0:
                     req.input_token_logprobs.append((None, req.origin_input_ids[0]))
                     req.input_top_logprobs.append(None)
-        end_of = {id(r): r.cached_len + n for r, n in zip(batch.reqs, batch.extend_lens)}
+        end_of = {id(r): r.kv_committed_len + n for r, n in zip(batch.reqs, batch.extend_lens)}
         for req, start, lo in spans:
             hi = min(end_of[id(req)], req.prompt_len - 1)
             block = lp[start:start + hi - lo]

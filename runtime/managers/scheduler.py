@@ -88,7 +88,7 @@ class Scheduler:
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         ids: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            ids.extend(req.token_slice(req.cached_len, req.cached_len + n))
+            ids.extend(req.token_slice(req.kv_committed_len, req.kv_committed_len + n))
         rows = [req.req_pool_idx for req in batch.reqs]
         fb = self.runner.make_forward_batch(mode, ids, rows, batch.prefix_lens, batch.seq_lens,
                                             batch.out_cache_loc, self.kv.req_to_token_pool)
@@ -212,7 +212,7 @@ class Scheduler:
             "kv_fully_free": kv.is_fully_free() and not self.has_work(),
             "req_rows_total": pool.size, "req_rows_free": pool.available_size(),
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-            "kv_request_tokens": sum(req.cached_len for req in self.running),   # paging-waste baseline
+            "kv_request_tokens": sum(req.kv_committed_len for req in self.running),   # paging-waste baseline
             "num_preemptions": planned.num_preemptions,
             "radix_tree_tokens": self.prefix_cache.total_size(),
             "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,

@@ -39,7 +39,7 @@ def next_token(req: Req) -> int:
 
 def owned_pages(kv: KVManager, req: Req) -> set[int]:
     row = kv.req_to_token_pool.req_to_token[req.req_pool_idx]
-    return set((row[len(req.prefix_indices): req.cached_len].long() // kv.page_size).tolist())
+    return set((row[len(req.prefix_indices): req.kv_committed_len].long() // kv.page_size).tolist())
 
 
 def assert_slots_partitioned(kv: KVManager, running: list[Req]) -> None:
@@ -83,7 +83,7 @@ class FakeLoop:
             table = self.kv.req_to_token_pool.req_to_token
             offset = 0
             for req, n in zip(batch.reqs, batch.extend_lens):   # the manager wrote this pass's slots
-                row = table[req.req_pool_idx, req.cached_len: req.cached_len + n].long()
+                row = table[req.req_pool_idx, req.kv_committed_len: req.kv_committed_len + n].long()
                 assert torch.equal(row, batch.out_cache_loc[offset: offset + n])
                 offset += n
         for i in self.kv.commit(batch.reqs, batch.extend_lens):
