@@ -151,7 +151,7 @@ class _BenchReq:
 
     all_ids: list[int]
     req_pool_idx: int | None = None
-    cached_len: int = 0
+    kv_committed_len: int = 0
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
 
@@ -162,7 +162,7 @@ def _alloc(kv: Any, reqs: list[_BenchReq], n: int) -> torch.Tensor:
     if loc is None:
         raise RuntimeError("KV pool too small for this batch; raise --max-total-tokens")
     for req in reqs:
-        req.cached_len += n
+        req.kv_committed_len += n
     return loc
 
 

@@ -112,7 +112,7 @@ def instrument(sched: Any, timer: PhaseTimer) -> None:
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     sched = make_scheduler(args)
     submit(sched, args.batch_size, args.input_len, args.warmup_steps + args.steps + 8, args.seed)
-    while len(sched.running) < args.batch_size or any(r.cached_len < r.prompt_len for r in sched.running):
+    while len(sched.running) < args.batch_size or any(r.kv_committed_len < r.prompt_len for r in sched.running):
         sched.step()                                            # prefill (possibly chunked)
     for _ in range(args.warmup_steps):
         sched.step()

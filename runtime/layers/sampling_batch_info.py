@@ -10,7 +10,9 @@ Semantics, per request (row):
   their temperature is stored as 1.0 so that the scaled logits stay finite.
 - `top_k == -1` is stored as `vocab_size` (disabled).
 - frequency / presence penalties count OUTPUT tokens only; the repetition penalty (HF style)
-  covers prompt and output tokens.
+  covers prompt and output tokens. Each penalized request keeps its counts / seen set in a
+  `PenaltyState` across steps (built from the prompt once, then one new token or so per step);
+  `build` stacks those rows instead of rebuilding them from the whole sequence.
 - while `len(output) < min_new_tokens`, the eos ids and the request's `stop_token_ids` are banned.
   `ignore_eos` does not ban anything here (as in SGLang): the scheduler simply does not stop on eos.
 - a request with `sampling_seed` gets a per-step seed derived from (seed, len(output)), so its
@@ -19,7 +21,6 @@ Semantics, per request (row):
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,14 @@ class SamplingBatchInfo:
     @classmethod
     def build(cls, params: list[SamplingParams], input_ids: list[list[int]], output_ids: list[list[int]],
               vocab_size: int, eos_token_ids: list[int], device: torch.device | str,
-              vocab_mask: torch.Tensor | None = None) -> SamplingBatchInfo:
+              vocab_mask: torch.Tensor | None = None,
+              penalty_states: list[PenaltyState | None] | None = None) -> SamplingBatchInfo:
         """Batches the parameters of `params[i]` for the request with tokens `input_ids[i]` (prompt)
-        and `output_ids[i]` (generated so far). Reads the lists, modifies nothing.
+        and `output_ids[i]` (generated so far). Reads the lists, modifies nothing but the states.
+
+        `penalty_states[i]`, if given, is request i's state kept across steps (None for a request
+        without penalties); `build` brings it up to date with `output_ids[i]`. Without them, the
+        states are built here from the lists (the same values, at the cost of the whole sequence).
 
         `vocab_mask`, if given, is a bool [bs, vocab_size] tensor (True = allowed) or the int32 bitmask
         [bs, ceil(vocab_size / 32)] of kernels/vocab_mask (applied without unpacking to bool); each row
@@ -103,7 +109,10 @@ class SamplingBatchInfo:
                             for i, (p, out) in enumerate(zip(params, output_ids, strict=True))
                             if p.sampling_seed is not None),
         )
-        info._add_penalties(params, input_ids, output_ids, device)
+        if penalty_states is None:
+            penalty_states = [PenaltyState(p, ids, vocab_size, device) if p.has_penalties else None
+                              for p, ids in zip(params, input_ids, strict=True)]
+        info._add_penalties(params, penalty_states, output_ids, device)
         info._add_logit_bias(params, device)
         info._add_min_tokens_ban(params, output_ids, eos_token_ids, device)
         if vocab_mask is not None:
@@ -116,26 +125,24 @@ class SamplingBatchInfo:
         return info
 
     # ------------------------------------------------------------------ builders
-    def _add_penalties(self, params: list[SamplingParams], input_ids: list[list[int]],
+    def _add_penalties(self, params: list[SamplingParams], states: list[PenaltyState | None],
                        output_ids: list[list[int]], device: torch.device | str) -> None:
-        bs, vocab = len(params), self.vocab_size
+        bs = len(params)
+        for state, out in zip(states, output_ids, strict=True):
+            if state is not None:
+                state.update(out)
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             self.frequency_penalties = _tensor([p.frequency_penalty for p in params], torch.float32,
                                                device).view(bs, 1)
             self.presence_penalties = _tensor([p.presence_penalty for p in params], torch.float32,
                                               device).view(bs, 1)
-            rows, ids = _flat_pairs(output_ids, device)
-            counts = torch.zeros(bs, vocab, dtype=torch.float32, device=device)
-            counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-            self.output_counts = counts
+            self.output_counts = _stack_rows([s.counts if s else None for s in states], self.vocab_size,
+                                             torch.float32, device)
         if any(p.repetition_penalty != 1.0 for p in params):
             self.repetition_penalties = _tensor([p.repetition_penalty for p in params], torch.float32,
                                                 device).view(bs, 1)
-            seen_lists = [list(a) + list(b) for a, b in zip(input_ids, output_ids, strict=True)]
-            rows, ids = _flat_pairs(seen_lists, device)
-            seen = torch.zeros(bs, vocab, dtype=torch.bool, device=device)
-            seen[rows, ids] = True
-            self.seen_tokens = seen
+            self.seen_tokens = _stack_rows([s.seen if s else None for s in states], self.vocab_size,
+                                           torch.bool, device)
 
     def _add_logit_bias(self, params: list[SamplingParams], device: torch.device | str) -> None:
         if not any(p.logit_bias for p in params):
@@ -160,6 +167,38 @@ class SamplingBatchInfo:
         if rows:
             self.ban_rows = _tensor(rows, torch.int64, device)
             self.ban_ids = _tensor(ids, torch.int64, device)
+
+
+class PenaltyState:
+    """One request's penalty inputs, kept from step to step.
+
+    `counts` [V] float32: how often each token occurs in the output (frequency / presence
+    penalties; None when the request has neither). `seen` [V] bool: the tokens of the prompt and
+    the output (repetition penalty; None when it is 1.0). `update` folds in the output tokens
+    added since its last call, so a step costs the new tokens, not the whole sequence.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int,
+                 device: torch.device | str):
+        self.counts = self.seen = None
+        if params.frequency_penalty or params.presence_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if prompt_ids:
+                self.seen[_tensor(list(prompt_ids), torch.int64, device)] = True
+        self.device = device
+        self.num_output = 0                     # output tokens folded in so far
+
+    def update(self, output_ids: list[int]) -> None:
+        if len(output_ids) <= self.num_output:
+            return
+        new = _tensor(output_ids[self.num_output:], torch.int64, self.device)
+        self.num_output = len(output_ids)
+        if self.counts is not None:
+            self.counts.index_put_((new,), torch.ones_like(new, dtype=torch.float32), accumulate=True)
+        if self.seen is not None:
+            self.seen[new] = True
 
 
 def is_plain_greedy(params: list[SamplingParams], output_ids: list[list[int]]) -> bool:
@@ -190,10 +229,15 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> tor
     return to_device(torch.tensor(values, dtype=dtype), device)   # pinned staging on CUDA
 
 
-def _flat_pairs(token_lists: list[list[int]], device: torch.device | str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) of every token in `token_lists`, as two flat int64 tensors."""
-    lens = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lens)
-    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
-    return rows.to(device), ids.to(device)
+def _stack_rows(rows: list[torch.Tensor | None], vocab_size: int, dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    """[len(rows), vocab_size]: each row, or zeros where it is None (one copy, no per-token work)."""
+    zero = None
+    out = []
+    for row in rows:
+        if row is None:
+            if zero is None:
+                zero = torch.zeros(vocab_size, dtype=dtype, device=device)
+            row = zero
+        out.append(row)
+    return torch.stack(out)

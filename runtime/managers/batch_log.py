@@ -34,8 +34,8 @@ class BatchLog:
             return
         new_seq = new_tok = cached = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            if req.cached_len < req.prompt_len:
-                new_seq, new_tok, cached = new_seq + 1, new_tok + n, cached + req.cached_len
+            if req.kv_committed_len < req.prompt_len:
+                new_seq, new_tok, cached = new_seq + 1, new_tok + n, cached + req.kv_committed_len
         if new_seq:
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                         "#running-req: %d, #queue-req: %d", new_seq, new_tok, cached, _usage(scheduler),

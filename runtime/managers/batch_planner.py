@@ -3,7 +3,7 @@
 One step's batch is every running request (decodes: their few uncached tokens; a chunked
 prefill: its next chunk) plus newly admitted waiting requests, as extends over
 
-    [cached_len, cached_len + extend_len)   of each request's all_ids.
+    [kv_committed_len, kv_committed_len + extend_len)   of each request's all_ids.
 
 When decode memory runs out it evicts unlocked cache, then retracts requests (fewest output
 tokens first); a retracted request keeps its KV in the tree (evictable) and is recomputed later.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..mem_cache.approx_tree import ApproxTree
+from ..mem_cache.chunked_trie import ChunkedTrie
 from ..mem_cache.kv_manager import KVManager
 from ..mem_cache.miss_diagnosis import MissDiagnosis
 from ..server_args import ServerArgs
@@ -31,21 +31,37 @@ IN_BATCH_SHARE = 32
 
 @dataclass
 class StepBatch:
+    """One forward pass (`reqs`, `extend_lens`, `out_cache_loc`), and the queue moves it implies:
+    `admitted` leave the waiting queue for the running one, `retracted` go back to the front of
+    the waiting queue (see `requeue`)."""
+
     reqs: list[Req] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     out_cache_loc: torch.Tensor | None = None
+    admitted: list[Req] = field(default_factory=list)
+    retracted: list[Req] = field(default_factory=list)
 
     @property
     def prefix_lens(self) -> list[int]:
-        return [req.cached_len for req in self.reqs]
+        return [req.kv_committed_len for req in self.reqs]
 
     @property
     def seq_lens(self) -> list[int]:
-        return [req.cached_len + n for req, n in zip(self.reqs, self.extend_lens)]
+        return [req.kv_committed_len + n for req, n in zip(self.reqs, self.extend_lens)]
 
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
+
+
+def requeue(batch: StepBatch, running: list[Req], waiting: list[Req]) -> None:
+    """Applies a plan's queue moves to the caller's queues (the scheduler owns them)."""
+    for req in batch.retracted:
+        running.remove(req)
+    waiting[:0] = reversed(batch.retracted)      # the last one retracted goes first
+    for req in batch.admitted:
+        waiting.remove(req)
+        running.append(req)
 
 
 @dataclass
@@ -78,14 +94,14 @@ class BatchPlanner:
     def plan(self, running: list[Req], waiting: list[Req]) -> StepBatch:
         """Returns the next batch, its KV slots allocated and written into the requests' rows.
 
-        Side effects: admitted requests leave `waiting` and join `running` with a row, a locked
-        prefix and cached_len set; retracted ones (preempted for memory) move to the front of
-        `waiting` with no KV.
+        Reads the scheduler's queues and never changes them: the batch says which requests the
+        scheduler moves (`requeue`). Admitted requests get a row, a locked prefix and kv_committed_len
+        set; retracted ones (preempted for memory) have given all their KV back.
         """
-        for req in self._fit_running(running):
-            waiting.insert(0, req)
         batch = StepBatch()
-        decoding = [req for req in running if req.cached_len >= req.prompt_len]
+        batch.retracted = self._fit_running(running)
+        running = [req for req in running if req not in batch.retracted]
+        decoding = [req for req in running if req.kv_committed_len >= req.prompt_len]
         for req in decoding:
             batch.reqs.append(req)
             batch.extend_lens.append(req.extend_len)
@@ -95,18 +111,18 @@ class BatchPlanner:
             rem_reqs=self.max_running - len(running), page_size=self.page_size)
         budget.rem_reqs += len(running) - len(decoding)   # chunked requests already hold a row
         for req in running:
-            if req.cached_len < req.prompt_len:             # a chunked prefill continues first
+            if req.kv_committed_len < req.prompt_len:             # a chunked prefill continues first
                 n = budget.take(req.extend_len, self._reserve_of(req))
                 if n:
                     batch.reqs.append(req)
                     batch.extend_lens.append(n)
-        self._admit(batch, budget, running, waiting)
+        self._admit(batch, budget, running, [*reversed(batch.retracted), *waiting])
         if batch.reqs:
             batch.out_cache_loc = self._alloc(batch)
         return batch
 
     def _admit(self, batch: StepBatch, budget: PrefillBudget, running: list[Req], waiting: list[Req]) -> None:
-        """Admits waiting requests in policy order until a budget runs out.
+        """Admits waiting requests in policy order until a budget runs out (into `batch.admitted`).
 
         In-batch prefix sharing: a request whose uncached part repeats (>= IN_BATCH_SHARE tokens)
         a prompt being prefilled in this step, or by a running chunked prefill, waits one step;
@@ -115,9 +131,9 @@ class BatchPlanner:
         if not waiting:
             return
         radix = not self.args.disable_radix_cache
-        in_flight = ApproxTree()
+        in_flight = ChunkedTrie()
         for req in running:
-            if req.cached_len < req.prompt_len:
+            if req.kv_committed_len < req.prompt_len:
                 in_flight.insert(req.origin_input_ids)
         for req in order_waiting(self.args.schedule_policy, waiting, self.kv.prefix_cache, radix):
             admitted = self._try_admit(req, batch, budget, in_flight if radix else None)
@@ -125,12 +141,11 @@ class BatchPlanner:
                 continue
             if not admitted:
                 break
-            waiting.remove(req)
-            running.append(req)
+            batch.admitted.append(req)
             in_flight.insert(req.origin_input_ids)
 
     def _try_admit(self, req: Req, batch: StepBatch, budget: PrefillBudget,
-                   in_flight: ApproxTree | None) -> bool | None:
+                   in_flight: ChunkedTrie | None) -> bool | None:
         """True: admitted; False: out of budget (stop admitting); None: deferred one step."""
         match = self.kv.match_prefix(req.all_ids[: req.max_prefix_for_match()])
         prefix_len = len(match.kv_indices)
@@ -163,17 +178,19 @@ class BatchPlanner:
         return self.kv.new_slots_needed(batch.prefix_lens, batch.seq_lens)
 
     def _fit_running(self, running: list[Req]) -> list[Req]:
-        """Makes room for every decoding request's next tokens, retracting requests if needed."""
+        """Makes room for every decoding request's next tokens; returns the requests it retracted
+        (fewest output tokens first) to get it. Does not change `running`."""
+        running = list(running)
         retracted: list[Req] = []
         while True:
-            decoding = [req for req in running if req.cached_len >= req.prompt_len]
+            decoding = [req for req in running if req.kv_committed_len >= req.prompt_len]
             need = self._need(StepBatch(decoding, [req.extend_len for req in decoding]))
             if self.kv.ensure_free(need) or len(running) <= 1:
                 return retracted
             victim = min(running, key=lambda req: (len(req.output_ids), -req.arrival_time))
             running.remove(victim)
-            self.kv.cache_finished_req(victim)
-            victim.reset_for_recompute()
+            self.kv.cache_finished_req(victim)      # no row, lock or prefix left: recomputed later
+            victim.num_preemptions += 1
             retracted.append(victim)
             self.num_preemptions += 1
             logger.debug("retracted %s (%d output tokens) to free KV", victim.rid, len(victim.output_ids))

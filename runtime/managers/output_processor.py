@@ -9,7 +9,6 @@ For each request of the step, with [p, p + n) the tokens just computed:
 from __future__ import annotations
 
 import re
-import time
 from functools import lru_cache
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from ...kernels.vocab_mask import allocate_vocab_mask
 from ..layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from ..layers.sampler import Sampler
-from ..layers.sampling_batch_info import SamplingBatchInfo, is_plain_greedy
+from ..layers.sampling_batch_info import PenaltyState, SamplingBatchInfo, is_plain_greedy
 from .batch_planner import StepBatch
 from .io_struct import ReqTokenOut
 from .req import Req
@@ -46,7 +45,7 @@ class OutputProcessor:
         spans: list[tuple[Req, int, int]] = []
         offset = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            p = req.cached_len
+            p = req.kv_committed_len
             if req.wants_input_logprobs:
                 lo = max(p, req.input_logprob_start - 1)
                 hi = min(p + n, req.prompt_len - 1)
@@ -65,7 +64,7 @@ class OutputProcessor:
                 if req.input_logprob_start == 0:
                     req.input_token_logprobs.append((None, req.origin_input_ids[0]))
                     req.input_top_logprobs.append(None)
-        end_of = {id(r): r.cached_len + n for r, n in zip(batch.reqs, batch.extend_lens)}
+        end_of = {id(r): r.kv_committed_len + n for r, n in zip(batch.reqs, batch.extend_lens)}
         for req, start, lo in spans:
             hi = min(end_of[id(req)], req.prompt_len - 1)
             block = lp[start:start + hi - lo]
@@ -92,7 +91,8 @@ class OutputProcessor:
             mask = words.to(self.device)                                # applied as bits by the sampler
         info = SamplingBatchInfo.build(params, [r.origin_input_ids for r in reqs],
                                        [r.output_ids for r in reqs], self.vocab_size, sorted(self.eos_token_ids),
-                                       self.device, vocab_mask=mask)
+                                       self.device, vocab_mask=mask,
+                                       penalty_states=[self._penalty_state(r) for r in reqs])
         out = self.sampler.sample(logits[:, : self.vocab_size], info, return_logprobs=want_lp)
         ids = out.next_token_ids.tolist()
         if want_lp:
@@ -105,6 +105,15 @@ class OutputProcessor:
                 if reqs[i].top_logprobs_num:
                     reqs[i].output_top_logprobs.append(tops[k])
         return ids
+
+    def _penalty_state(self, req: Req) -> PenaltyState | None:
+        """The request's penalty state, made from its prompt on its first penalized step."""
+        if not req.sampling_params.has_penalties:
+            return None
+        if req.penalty_state is None:
+            req.penalty_state = PenaltyState(req.sampling_params, req.origin_input_ids, self.vocab_size,
+                                             self.device)
+        return req.penalty_state
 
     # -------------------------------------------------------- token rules
     def append_token(self, req: Req, tid: int) -> None:
@@ -132,7 +141,19 @@ class OutputProcessor:
                 req.output_top_logprobs.extend([(0.0, t)] for t in forced)
         self.check_finished(req, forced[-1])
 
+    @staticmethod
+    def finished_before_sampling(req: Req) -> bool:
+        """A request that asks for no new tokens (prefill only) finishes when its prompt is computed."""
+        if req.sampling_params.max_new_tokens == 0:
+            req.finished_reason = {"type": "length", "length": 0}
+            return True
+        return False
+
     def check_finished(self, req: Req, last: int) -> None:
+        """The stop rules after each new token (the one place they are decided; the detokenizer
+        only holds back text that may become a stop, and trims at the `matched` stop it is told):
+        stop token ids, eos, stop strings, stop_regex (after min_new_tokens), then max_new_tokens,
+        the context length and a terminated grammar."""
         sp = req.sampling_params
         out_len = len(req.output_ids)
         if out_len >= sp.min_new_tokens:
@@ -230,6 +251,3 @@ def stop_regex_window(patterns: list[str]) -> int | None:
     widths = [_max_match_len(p) for p in patterns]
     return None if any(w is None for w in widths) else max(widths, default=0)
 
-
-def now() -> float:
-    return time.monotonic()

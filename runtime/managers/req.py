@@ -2,12 +2,14 @@
 
 Token regions of a request (all_ids = origin_input_ids + output_ids):
 
-    [0, len(prefix_indices))   KV owned by the prefix cache (locked through last_node)
-    [.., cached_len)           KV owned by this request; all of [0, cached_len) is in its
-                               req_to_token row (written by the KVManager only)
-    [cached_len, seq_len)      no KV yet: the next forward pass computes these
+    [0, len(prefix_indices))      KV owned by the prefix cache (locked through last_node)
+    [.., kv_committed_len)        KV owned by this request; all of [0, kv_committed_len) is in
+                                  its req_to_token row (written by the KVManager only)
+    [kv_committed_len, seq_len)   no KV yet: the next forward pass computes these
 
-Only `cached_len` and the id lists are stored; every other length is derived.
+Only `kv_committed_len` (how far the KV is computed) and the id lists are stored; every other
+length is derived. Not to be confused with `cached_tokens`, the prefix-cache hit reported to
+the client.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     # memory
     req_pool_idx: int | None = None
-    cached_len: int = 0
+    kv_committed_len: int = 0
     prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
     last_node: Any = None
     # progress
@@ -53,6 +55,7 @@ class Req:
     num_preemptions: int = 0             # times retracted to free KV (then recomputed)
     forward_passes: int = 0
     jump_forward_tokens: int = 0
+    penalty_state: Any = None            # PenaltyState (layers/sampling_batch_info.py), once penalized
     # structured generation
     grammar: Any = None                  # GrammarMatcher, once compiled
     grammar_future: Any = None
@@ -87,7 +90,7 @@ class Req:
 
     @property
     def extend_len(self) -> int:
-        return self.seq_len - self.cached_len
+        return self.seq_len - self.kv_committed_len
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without building all_ids (decode steps read only the output tail)."""
@@ -121,11 +124,3 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
-
-    def reset_for_recompute(self) -> None:
-        """After retraction: all KV is gone from this request; it will prefill prompt + outputs again."""
-        self.req_pool_idx = None
-        self.cached_len = 0
-        self.prefix_indices = _EMPTY
-        self.last_node = None
-        self.num_preemptions += 1

@@ -1,7 +1,8 @@
 """Waiting-queue order (the --schedule-policy registry) and the prefill admission budget.
 
-Cache-aware policies (lpm, dfs-weight) read the radix tree without locking it; the order they
-produce is only a preference: admission re-matches and locks each request it takes.
+Cache-aware policies (lpm, dfs-weight) read the radix tree with `peek_prefix`, which changes
+nothing (no split, no LRU refresh, no lock); the order they produce is only a preference:
+admission matches and locks each request it takes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def order_priority(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Re
 
 def order_lpm(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     """Longest cached prefix first."""
-    hit = {id(req): len(prefix_cache.match_prefix(req.all_ids[: req.max_prefix_for_match()]).kv_indices)
+    hit = {id(req): prefix_cache.peek_prefix(req.all_ids[: req.max_prefix_for_match()]).length
            for req in waiting}
     return sorted(waiting, key=lambda req: (-hit[id(req)], req.arrival_time))
 
@@ -47,11 +48,14 @@ def order_lpm(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
 def order_dfs_weight(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[Req]:
     """Depth-first over the tree, heavier subtrees (more waiting requests) first, so requests that
     share a prefix run back to back while it is still cached."""
-    at_node: dict[int, list[Req]] = defaultdict(list)
+    at_node: dict[int, list[tuple[int, float, Req]]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
-    for req in sorted(waiting, key=lambda req: req.arrival_time):
-        node = prefix_cache.match_prefix(req.all_ids[: req.max_prefix_for_match()]).last_node
-        at_node[id(node)].append(req)
+    for req in waiting:
+        peek = prefix_cache.peek_prefix(req.all_ids[: req.max_prefix_for_match()])
+        # a match ending inside a node sits where match_prefix would split it: above the node's
+        # own requests and children, in the order of the split points
+        at_node[id(peek.node)].append((peek.node_len, req.arrival_time, req))
+        node = peek.node
         while node is not None:
             weight[id(node)] += 1
             node = node.parent
@@ -59,7 +63,7 @@ def order_dfs_weight(waiting: list[Req], prefix_cache: BasePrefixCache) -> list[
     stack = [prefix_cache.root]
     while stack:
         node = stack.pop()
-        out.extend(at_node.get(id(node), []))
+        out.extend(req for _, _, req in sorted(at_node.get(id(node), []), key=lambda e: e[:2]))
         kids = [c for c in node.children.values() if weight.get(id(c))]
         stack.extend(sorted(kids, key=lambda c: weight[id(c)]))   # heaviest popped first
     return out

@@ -24,7 +24,7 @@ from ..model_executor.forward_batch import ForwardMode
 from ..model_executor.model_runner import ModelRunner
 from ..server_args import ServerArgs
 from .batch_log import BatchLog
-from .batch_planner import BatchPlanner, StepBatch
+from .batch_planner import BatchPlanner, StepBatch, requeue
 from .grammar_queue import GrammarQueue
 from .io_struct import (
     AbortReq,
@@ -60,7 +60,7 @@ class Scheduler:
         cfg = runner.model_config
         self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids, cfg.vocab_size, runner.context_len,
                                       runner.device, jump_forward=not server_args.disable_jump_forward)
-        self.grammar = GrammarQueue(server_args, self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammar_queue = GrammarQueue(server_args, self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outbox: list = []
@@ -71,13 +71,14 @@ class Scheduler:
 
     # --------------------------------------------------------------- loop
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.grammar.pending)
+        return bool(self.waiting or self.running or self.grammar_queue.pending)
 
     def step(self) -> None:
         """One scheduling step: abort/timeout housekeeping, plan, forward, process."""
         self._handle_aborts()
-        self.waiting.extend(self.grammar.pop_ready(self._finish_early))
+        self.waiting.extend(self.grammar_queue.pop_ready(self._finish_early))
         batch = self.planner.plan(self.running, self.waiting)
+        requeue(batch, self.running, self.waiting)
         if batch.reqs:
             self._run_batch(batch)
         self._flush_outputs()
@@ -87,7 +88,7 @@ class Scheduler:
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         ids: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            ids.extend(req.token_slice(req.cached_len, req.cached_len + n))
+            ids.extend(req.token_slice(req.kv_committed_len, req.kv_committed_len + n))
         rows = [req.req_pool_idx for req in batch.reqs]
         fb = self.runner.make_forward_batch(mode, ids, rows, batch.prefix_lens, batch.seq_lens,
                                             batch.out_cache_loc, self.kv.req_to_token_pool)
@@ -99,22 +100,15 @@ class Scheduler:
         out = self.output
         if spans or any(req.wants_input_logprobs for req in batch.reqs):
             out.record_input_logprobs(spans, logits.extra_logits, batch)
-        to_sample: list[tuple[int, Req]] = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            was_prefill = req.cached_len < req.prompt_len
-            req.cached_len += n
+        for req in batch.reqs:
             req.forward_passes += 1
-            if req.cached_len < req.seq_len:           # mid-chunk: cache what exists so far
-                self.kv.cache_unfinished_req(req)
-                continue
+        to_sample: list[tuple[int, Req]] = []
+        for i in self.kv.commit(batch.reqs, batch.extend_lens):     # whole sequence computed: sample
+            req = batch.reqs[i]
             if req.wants_input_logprobs:
                 req.input_logprobs_done = True
-            if was_prefill:
-                self.kv.cache_unfinished_req(req)
-            if req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = {"type": "length", "length": 0}
-                continue
-            to_sample.append((i, req))
+            if not out.finished_before_sampling(req):
+                to_sample.append((i, req))
         if to_sample:
             idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
             reqs = [req for _, req in to_sample]
@@ -150,7 +144,7 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             req = Req.from_wire(msg)
             if msg.sampling_params.constraint is not None:
-                self.grammar.add(req)
+                self.grammar_queue.add(req)
             else:
                 self.waiting.append(req)
         elif isinstance(msg, AbortReq):
@@ -163,7 +157,7 @@ class Scheduler:
             logger.warning("scheduler ignored an unknown message %r", type(msg).__name__)
 
     def _mark_abort(self, rid: str, message: str | None) -> None:
-        for req in [*self.waiting, *self.running, *self.grammar.pending]:
+        for req in [*self.waiting, *self.running, *self.grammar_queue.pending]:
             if (not rid or req.rid == rid or req.group_rid == rid) and req.to_abort is None:
                 req.to_abort = message or "aborted"
 
@@ -171,11 +165,11 @@ class Scheduler:
         """Abort messages for requests past their deadline. Only TP rank 0 calls this; the messages
         travel with the received ones, so every rank aborts at the same step."""
         now = time.monotonic()
-        return [AbortReq(req.rid, "timeout") for req in [*self.waiting, *self.running, *self.grammar.pending]
+        return [AbortReq(req.rid, "timeout") for req in [*self.waiting, *self.running, *self.grammar_queue.pending]
                 if req.deadline is not None and now > req.deadline and req.to_abort is None]
 
     def _handle_aborts(self) -> None:
-        for req in [*self.waiting, *self.running, *self.grammar.pending]:
+        for req in [*self.waiting, *self.running, *self.grammar_queue.pending]:
             if req.to_abort is not None:
                 self._finish_early(req, {"type": "abort", "message": req.to_abort})
 
@@ -184,7 +178,7 @@ class Scheduler:
         req.finished_reason = reason
         if req in self.waiting:
             self.waiting.remove(req)
-        self.grammar.discard(req)
+        self.grammar_queue.discard(req)
         self._release(req)
 
     def _flush_cache(self) -> FlushCacheOut:
@@ -204,7 +198,7 @@ class Scheduler:
         kv, planned = self.kv, self.planner.stats()
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            num_grammar_queue_reqs=len(self.grammar.pending), kv_used_tokens=kv.used_tokens(),
+            num_grammar_queue_reqs=len(self.grammar_queue.pending), kv_used_tokens=kv.used_tokens(),
             kv_evictable_tokens=kv.evictable_tokens(), max_total_tokens=kv.total_tokens,
             num_preemptions=planned.num_preemptions, prefix_cache_queries=planned.prefix_cache_queries,
             prefix_cache_hits=planned.prefix_cache_hits, late_divergence_misses=planned.late_divergence_misses,
@@ -218,9 +212,8 @@ class Scheduler:
             "kv_fully_free": kv.is_fully_free() and not self.has_work(),
             "req_rows_total": pool.size, "req_rows_free": pool.available_size(),
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-            "kv_request_tokens": sum(req.cached_len for req in self.running),   # paging-waste baseline
+            "kv_request_tokens": sum(req.kv_committed_len for req in self.running),   # paging-waste baseline
             "num_preemptions": planned.num_preemptions,
-            "num_retractions": planned.num_preemptions,          # older name of the same count
             "radix_tree_tokens": self.prefix_cache.total_size(),
             "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,
             "late_divergence_misses": planned.late_divergence_misses,

@@ -2,6 +2,8 @@
 
 Rank 0 of a TP group owns the sockets; with tp > 1 it broadcasts each step's received messages
 to the other ranks (torch.distributed, gloo group) so every rank runs the identical schedule.
+Idle, rank 0 blocks on its socket (up to IDLE_POLL_MS) before each broadcast and the other ranks
+block inside the broadcast, so an idle server costs no CPU whatever the TP size.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
 def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
     while True:
         busy = scheduler.has_work()
-        msgs = recv_messages(scheduler, puller, block=not busy and scheduler.args.tp_size == 1)
+        msgs = recv_messages(scheduler, puller, block=not busy)
         for msg in msgs:
             scheduler.handle(msg)
         if scheduler.has_work():

@@ -35,6 +35,15 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
+class PeekResult(NamedTuple):
+    """Result of `peek_prefix`: `length` tokens match; the match ends `node_len` tokens into `node`
+    (`node_len == len(node.key)` when it ends at the node's end; the root and 0 when nothing matched)."""
+
+    length: int
+    node: TreeNode
+    node_len: int
+
+
 class InsertResult(NamedTuple):
     """Result of `insert(key, value)`.
 
@@ -59,6 +68,11 @@ class BasePrefixCache(ABC):
 
         May split a tree node and refreshes LRU times, but never takes, frees or moves slots.
         """
+
+    @abstractmethod
+    def peek_prefix(self, key: list[int]) -> PeekResult:
+        """How far `key` matches (page-aligned), for ordering the waiting queue. Reads only: splits
+        no node, refreshes no access time, returns no slots."""
 
     @abstractmethod
     def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base_cache import BasePrefixCache, InsertResult, MatchResult
+from .base_cache import BasePrefixCache, InsertResult, MatchResult, PeekResult
 from .tree_node import TreeNode
 
 
@@ -24,6 +24,10 @@ class ChunkCache(BasePrefixCache):
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Always an empty match ending at the (empty) root. No side effects."""
         return MatchResult(self._empty(), self.root)
+
+    def peek_prefix(self, key: list[int]) -> PeekResult:
+        """Always nothing, at the root."""
+        return PeekResult(0, self.root, 0)
 
     def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:
         """Takes nothing: every slot stays with the caller."""

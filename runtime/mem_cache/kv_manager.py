@@ -7,7 +7,7 @@ model runner. At every moment a usable slot is in exactly one of three places:
 
     free         in the allocator
     cached       in the prefix cache (evictable, or protected while a request locks its node)
-    owned        by one request: row[len(req.prefix_indices), req.cached_len) of its table row,
+    owned        by one request: row[len(req.prefix_indices), req.kv_committed_len) of its table row,
                  plus the slots `alloc_extend` gave it for the pass being computed
 
 The life of a request, as the planner and the scheduler drive it:
@@ -15,9 +15,10 @@ The life of a request, as the planner and the scheduler drive it:
     match = kv.match_prefix(ids)              no lock; valid until the next evict
     kv.lock(match.last_node)                  the prefix is now safe from eviction
     kv.admit(req, match)                      a row; row[0, prefix_len) = the matched slots
-    loc = kv.alloc_extend(reqs, extend_lens)  row[cached_len, cached_len + n) = fresh slots
-    ... forward pass; req.cached_len += n ...
-    kv.cache_unfinished_req(req)              a chunk is done: share it, lock the longer prefix
+    loc = kv.alloc_extend(reqs, extend_lens)  row[kv_committed_len, kv_committed_len + n) = fresh slots
+    ... forward pass ...
+    kv.commit(reqs, extend_lens)              kv_committed_len += n; a finished chunk or prefill is shared
+                                              (cache_unfinished_req: share it, lock the longer prefix)
     kv.cache_finished_req(req)                done, aborted or retracted: share, free the rest
 
 Not thread-safe: only the scheduler loop calls it.
@@ -45,7 +46,9 @@ class KVReq(Protocol):
 
     req_pool_idx: int | None       # row in req_to_token
     all_ids: list[int]             # prompt + output token ids
-    cached_len: int                # tokens at the front of the row whose KV slots are held
+    prompt_len: int                # len(origin_input_ids)
+    seq_len: int                   # len(all_ids)
+    kv_committed_len: int          # tokens at the front of the row whose KV slots are held
     prefix_indices: torch.Tensor   # slots of the cache-owned prefix (len == prefix length)
     last_node: TreeNode | None     # node this request has locked
 
@@ -144,7 +147,7 @@ class KVManager:
         """Gives `req` a row holding the matched prefix; False (no change) when no row is free.
 
         The caller has locked `match.last_node`; from here the request holds that lock. Sets
-        `req_pool_idx`, `prefix_indices`, `last_node` and `cached_len = len(match.kv_indices)`.
+        `req_pool_idx`, `prefix_indices`, `last_node` and `kv_committed_len = len(match.kv_indices)`.
         """
         row = self.req_to_token_pool.alloc()
         if row is None:
@@ -153,7 +156,7 @@ class KVManager:
         self._tail_slot.pop(row, None)
         write_slots(self.req_to_token_pool.req_to_token, [row], [0], [prefix_len], match.kv_indices)
         req.req_pool_idx, req.prefix_indices, req.last_node = row, match.kv_indices, match.last_node
-        req.cached_len = prefix_len
+        req.kv_committed_len = prefix_len
         return True
 
     # -------------------------------------------------------- allocation
@@ -165,25 +168,27 @@ class KVManager:
         return self.allocator.available_size() >= num_tokens
 
     def alloc_extend(self, reqs: list[KVReq], extend_lens: list[int]) -> torch.Tensor | None:
-        """Slots for tokens [cached_len, cached_len + n) of each request, written into its row.
+        """Slots for tokens [kv_committed_len, kv_committed_len + n) of each request, written into its row.
 
         Evicts cache as needed. Returns the int64 slots in request order (the pass's
-        `out_cache_loc`), or None, changing nothing, when even eviction cannot make room.
+        `out_cache_loc`, on the table's device), or None, changing nothing, when even eviction
+        cannot make room.
         """
-        prefix_lens = [req.cached_len for req in reqs]
+        prefix_lens = [req.kv_committed_len for req in reqs]
         ends = [p + n for p, n in zip(prefix_lens, extend_lens)]
         if not self.ensure_free(self.new_slots_needed(prefix_lens, ends)):
             return None
         table = self.req_to_token_pool.req_to_token
         rows = [req.req_pool_idx for req in reqs]
-        loc = self.allocator.alloc_extend(prefix_lens, ends, self._last_locs(rows, prefix_lens))
-        assert loc is not None, "allocation failed after ensure_free"
-        write_slots(table, rows, prefix_lens, ends, loc)
-        if self.page_size > 1 and loc.numel():
+        host_loc = self.allocator.alloc_extend(prefix_lens, ends, self._last_locs(rows, prefix_lens))
+        assert host_loc is not None, "allocation failed after ensure_free"
+        if self.page_size > 1 and host_loc.numel():
             last = (torch.tensor(ends) - torch.tensor(prefix_lens)).cumsum(0) - 1
-            for row, p, end, slot in zip(rows, prefix_lens, ends, loc[last.clamp(min=0)].tolist()):
+            for row, p, end, slot in zip(rows, prefix_lens, ends, host_loc[last.clamp(min=0)].tolist()):
                 if end > p:
                     self._tail_slot[row] = (end, slot)
+        loc = host_loc.to(table.device)          # the one host->device copy of out_cache_loc
+        write_slots(table, rows, prefix_lens, ends, loc)
         return loc
 
     def _last_locs(self, rows: list[int], prefix_lens: list[int]) -> list[int]:
@@ -204,16 +209,36 @@ class KVManager:
         return out
 
     # ----------------------------------------------------------- caching
+    def commit(self, reqs: list[KVReq], extend_lens: list[int]) -> list[int]:
+        """The forward pass over tokens [kv_committed_len, kv_committed_len + n) of each request is done.
+
+        Advances each `kv_committed_len` by its n. A request still mid-prefill (a chunk) shares what it
+        has computed with the cache, and so does one whose prefill just completed (its prompt is
+        then in the tree for others); decodes share nothing until they finish. Returns the indices
+        (into `reqs`) of the requests whose whole sequence is now computed: those sample a token.
+        """
+        ready: list[int] = []
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+            was_prefill = req.kv_committed_len < req.prompt_len
+            req.kv_committed_len += n
+            done = req.kv_committed_len >= req.seq_len
+            if was_prefill or not done:
+                self.cache_unfinished_req(req)
+            if done:
+                ready.append(i)
+        return ready
+
     def cache_finished_req(self, req: KVReq) -> None:
         """The request is done (finished, aborted or retracted): share its KV, free the rest.
 
         Region table of the request's row, P = page_size, `ins` = the cache's InsertResult:
-          [0, prefix_len)                cache-owned prefix, locked by req.last_node  -> unlocked
-          [prefix_len, ins.prefix_len)   the request's copies of tokens the cache had -> freed
-          [ins.prefix_len, ins.cached_len) new to the cache                           -> cache
-          [ins.cached_len, cached_len)   partial last page (or no cache at all)       -> freed
-        Afterwards the request owns nothing: no row, no lock, empty `prefix_indices`. Idempotent:
-        on a request without a row (never admitted, or already cached) it only drops a held lock.
+          [0, prefix_len)                       cache-owned prefix, locked by req.last_node  -> unlocked
+          [prefix_len, ins.prefix_len)          the request's copies of tokens the cache had -> freed
+          [ins.prefix_len, ins.cached_len)      new to the cache                             -> cache
+          [ins.cached_len, kv_committed_len)    partial last page (or no cache at all)       -> freed
+        Afterwards the request owns nothing: no row, no lock, empty `prefix_indices`,
+        `kv_committed_len` 0 (a retracted request is recomputed from here). Idempotent: on a request without a row
+        (never admitted, or already cached) it only drops a held lock.
         """
         row = req.req_pool_idx
         if row is not None:
@@ -222,12 +247,12 @@ class KVManager:
             self.allocator.free(slots[ins.cached_len:])
             self.req_to_token_pool.free(row)
         self.prefix_cache.dec_lock_ref(req.last_node)
-        req.req_pool_idx, req.last_node, req.prefix_indices = None, None, _EMPTY
+        req.req_pool_idx, req.last_node, req.prefix_indices, req.kv_committed_len = None, None, _EMPTY, 0
 
     def cache_unfinished_req(self, req: KVReq) -> None:
         """The request keeps running (a chunk of its prefill is done): share its KV so far.
 
-        Same region table as `cache_finished_req`, except that [ins.cached_len, cached_len) stays
+        Same region table as `cache_finished_req`, except that [ins.cached_len, kv_committed_len) stays
         with the request, and the row's [0, ins.cached_len) is rewritten to the cache's slots, which
         the request then locks (`prefix_indices`, `last_node` updated; the old lock is dropped).
         """
@@ -250,7 +275,7 @@ class KVManager:
 
     # ----------------------------------------------------------- helpers
     def _row_slots(self, req: KVReq) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len].to(torch.int64)
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
 
     def _insert(self, req: KVReq, slots: torch.Tensor) -> InsertResult:
         """Offers the page-aligned part of the row to the cache and frees the duplicates."""

@@ -67,11 +67,14 @@ class TokenToKVPoolAllocator:
         self.clear()
 
     def clear(self) -> None:
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        # The free pages, in allocation order, as a list of chunks: `free` appends one, and
+        # `_take_pages` joins them only when the head chunk runs short (amortized O(1) per page).
+        self._free_chunks: list[torch.Tensor] = [torch.arange(1, self.num_pages + 1, dtype=torch.int64)]
+        self._num_free_pages = self.num_pages
 
     def available_size(self) -> int:
         """Free token slots (whole free pages only)."""
-        return int(self._free_pages.numel()) * self.page_size
+        return self._num_free_pages * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` fresh tokens starting on a page boundary (None if out of memory)."""
@@ -109,17 +112,29 @@ class TokenToKVPoolAllocator:
         return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return the pages that hold `slots`. The caller must own every slot of those pages."""
+        """Return the pages that hold `slots`. The caller must own every slot of those pages, and
+        the slots of one page must stand together (as they do in a request's row or a tree node)."""
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size)
-        self._free_pages = torch.cat([self._free_pages, pages])
+        pages = slots.to(torch.int64).cpu()
+        if self.page_size > 1:
+            pages = torch.unique_consecutive(pages // self.page_size)
+        self._free_chunks.append(pages)
+        self._num_free_pages += int(pages.numel())
 
     # ----------------------------------------------------------- helpers
     def _take_pages(self, n: int) -> torch.Tensor | None:
-        if n > self._free_pages.numel():
+        if n > self._num_free_pages:
             return None
-        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        if self._free_chunks[0].numel() < n:
+            self._free_chunks = [torch.cat(self._free_chunks)]
+        head = self._free_chunks[0]
+        pages, rest = head[:n], head[n:]
+        if rest.numel() or len(self._free_chunks) == 1:
+            self._free_chunks[0] = rest
+        else:
+            self._free_chunks.pop(0)
+        self._num_free_pages -= n
         return pages
 
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from ..utils import align_down
-from .base_cache import BasePrefixCache, InsertResult, MatchResult
+from .base_cache import BasePrefixCache, InsertResult, MatchResult, PeekResult
 from .tree_node import TreeNode
 
 
@@ -59,6 +59,21 @@ class RadixCache(BasePrefixCache):
             node, key = child, key[n:]
         kv_indices = torch.cat(values) if values else self._empty()
         return MatchResult(kv_indices, node)
+
+    def peek_prefix(self, key: list[int]) -> PeekResult:
+        """The length `match_prefix(key)` would return and where it would end, changing nothing."""
+        key = key[: align_down(len(key), self.page_size)]
+        node, done = self.root, 0
+        while done < len(key):
+            child = node.children.get(self._child_key(key[done:]))
+            if child is None:
+                break
+            n = self._match_len(child.key, key[done:])
+            done += n
+            if n < len(child.key):
+                return PeekResult(done, child, n)
+            node = child
+        return PeekResult(done, node, len(node.key))
 
     def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:
         """Cache `value[i]` as the slot of `key[:i+1]`; the whole key is cached afterwards.

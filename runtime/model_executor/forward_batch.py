@@ -69,18 +69,19 @@ class ForwardBatch:
         vectorized position computation (decode positions are the prefix lengths themselves)."""
         prefix_t = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        prefix_dev = prefix_t.to(device)                          # copied to the device once
         if mode.is_decode:
-            positions = prefix_t                                  # the one new token sits at prefix_len
+            positions = prefix_dev                                # the one new token sits at prefix_len
         else:
-            positions = extend_positions(prefix_t, seq_t)
+            positions = extend_positions(prefix_t, seq_t).to(device)
         return ForwardBatch(
             forward_mode=mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=positions.to(device),
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            positions=positions,
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),   # no copy: KVManager put it there
             req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
             seq_lens=seq_t.to(device),
-            prefix_lens=prefix_t.to(device),
+            prefix_lens=prefix_dev,
             seq_lens_cpu=list(seq_lens),
             prefix_lens_cpu=list(prefix_lens),
             req_to_token_pool=req_to_token_pool,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..mem_cache.approx_tree import CHUNK, ApproxTree
+from ..mem_cache.chunked_trie import CHUNK, ChunkedTrie
 
 BALANCE_ABS = 8        # imbalanced when max - min in-flight exceeds this ...
 BALANCE_REL = 1.5      # ... and max exceeds min * this
@@ -29,7 +29,7 @@ class DPRouter:
         self.dp_size = dp_size
         self.in_flight = [0] * dp_size
         self.routed = [0] * dp_size
-        self.trees = [ApproxTree() for _ in range(dp_size)]
+        self.trees = [ChunkedTrie() for _ in range(dp_size)]
         self._rr = itertools.cycle(range(dp_size))
 
     def pick(self, input_ids: list[int]) -> int:

@@ -1,5 +1,6 @@
 """Scale-out through the real processes: TP=2 over gloo equals TP=1 and HF; DP=2 with the
-cache-aware router beats round-robin on prefix hits; a dead TP rank takes the engine down."""
+cache-aware router beats round-robin on prefix hits; a dead TP rank takes the engine down; an
+idle TP=2 engine costs (almost) no CPU."""
 
 from __future__ import annotations
 
@@ -65,3 +66,24 @@ def test_killing_a_tp_rank_brings_engine_down(llama_path):
         assert time.monotonic() - start < 10
     finally:
         eng.shutdown()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (from /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_idle_tp2_engine_does_not_spin(llama_path):
+    with radixlm.Engine(model_path=llama_path, tp_size=2, dtype="float32", max_total_tokens=4000) as eng:
+        eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
+        time.sleep(1.0)                      # past the last stats message and any thread-pool spin
+        pids = list(eng.subprocesses.processes[name].pid for name in eng.subprocesses.processes)
+        before = [_cpu_seconds(pid) for pid in pids]
+        time.sleep(5.0)
+        used = sum(_cpu_seconds(pid) - b for pid, b in zip(pids, before))
+        names = list(eng.subprocesses.processes)
+    assert any("tp1" in n for n in names)
+    assert used < 0.5, f"idle TP=2 engine used {used:.2f} CPU-seconds in 5 s ({names})"

@@ -328,7 +328,7 @@ def _run_soak(server: ServerProcess, total: int) -> None:
     state = wait_kv_free(server, timeout=30)
     rss_end = server_rss(server)
     elapsed = time.monotonic() - started
-    preemptions = state["num_retractions"]
+    preemptions = state["num_preemptions"]
     metric = metric_values(server).get("radixlm:num_preemptions_total")
     statuses = Counter(str(r.status) for r in soak.results)
     kinds = Counter(r.kind for r in soak.results)

@@ -1,16 +1,16 @@
 """Model-free scheduling fixtures: real Req, KVManager and BatchPlanner, and a fake forward pass.
 
-`FakeLoop` drives the planner the way `Scheduler.step` does (plan, advance `cached_len`, cache
-chunks, append one token per finished prefill/decode, release finished requests), with the
-next token a deterministic function of the sequence instead of a model, and checks after every
-step that each KV slot is in exactly one place: free, in the prefix cache, or owned by a request.
+`FakeLoop` drives the planner the way `Scheduler.step` does, through the same calls (plan,
+`requeue`, `KVManager.commit`, append one token per request it reports ready, release finished
+requests), with the next token a deterministic function of the sequence instead of a model, and
+checks after every step that each KV slot is in exactly one place: free, in the prefix cache, or owned by a request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixlm.runtime.managers.batch_planner import BatchPlanner, StepBatch
+from radixlm.runtime.managers.batch_planner import BatchPlanner, StepBatch, requeue
 from radixlm.runtime.managers.io_struct import TokenizedGenerateReq
 from radixlm.runtime.managers.req import Req
 from radixlm.runtime.mem_cache.kv_manager import KVManager
@@ -39,7 +39,7 @@ def next_token(req: Req) -> int:
 
 def owned_pages(kv: KVManager, req: Req) -> set[int]:
     row = kv.req_to_token_pool.req_to_token[req.req_pool_idx]
-    return set((row[len(req.prefix_indices): req.cached_len].long() // kv.page_size).tolist())
+    return set((row[len(req.prefix_indices): req.kv_committed_len].long() // kv.page_size).tolist())
 
 
 def assert_slots_partitioned(kv: KVManager, running: list[Req]) -> None:
@@ -76,23 +76,18 @@ class FakeLoop:
 
     def step(self) -> StepBatch:
         batch = self.planner.plan(self.running, self.waiting)
+        requeue(batch, self.running, self.waiting)
         self.batches.append(batch)
         if batch.reqs:
             assert batch.out_cache_loc is not None and len(batch.out_cache_loc) == sum(batch.extend_lens)
             table = self.kv.req_to_token_pool.req_to_token
             offset = 0
             for req, n in zip(batch.reqs, batch.extend_lens):   # the manager wrote this pass's slots
-                row = table[req.req_pool_idx, req.cached_len: req.cached_len + n].long()
+                row = table[req.req_pool_idx, req.kv_committed_len: req.kv_committed_len + n].long()
                 assert torch.equal(row, batch.out_cache_loc[offset: offset + n])
                 offset += n
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            was_prefill = req.cached_len < req.prompt_len
-            req.cached_len += n
-            if req.cached_len < req.seq_len:
-                self.kv.cache_unfinished_req(req)
-                continue
-            if was_prefill:
-                self.kv.cache_unfinished_req(req)
+        for i in self.kv.commit(batch.reqs, batch.extend_lens):
+            req = batch.reqs[i]
             req.output_ids.append(next_token(req))
             if len(req.output_ids) >= req.sampling_params.max_new_tokens:
                 req.finished_reason = {"type": "length"}

@@ -149,7 +149,7 @@ def test_retracted_request_goes_to_the_front_without_kv() -> None:
     while not loop.planner.stats().num_preemptions:
         loop.step()
     victim = loop.waiting[0]
-    assert victim.num_preemptions == 1 and victim.req_pool_idx is None and victim.cached_len == 0
+    assert victim.num_preemptions == 1 and victim.req_pool_idx is None and victim.kv_committed_len == 0
     assert victim.last_node is None and len(victim.prefix_indices) == 0
     loop.run()
     assert len(loop.finished) == 3

@@ -29,7 +29,7 @@ class _Req:
     def __init__(self, ids: list[int]):
         self.all_ids = ids
         self.req_pool_idx = None
-        self.cached_len = 0
+        self.kv_committed_len = 0
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
 
@@ -55,7 +55,7 @@ def _prefilled_batch(runner: ModelRunner, lengths: list[int]):
         assert kv.admit(r, kv.match_prefix([]))
     loc = kv.alloc_extend(reqs, lengths)
     for r in reqs:
-        r.cached_len = len(r.all_ids)
+        r.kv_committed_len = len(r.all_ids)
     fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for r in reqs for t in r.all_ids],
                                    [r.req_pool_idx for r in reqs], [0] * len(reqs), lengths, loc,
                                    kv.req_to_token_pool)
@@ -94,10 +94,10 @@ def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeyp
     kv, reqs, ids = _prefilled_batch(runner, [5, 17, 33])
     with torch.inference_mode():
         for _ in range(3):
-            seqs = [r.cached_len for r in reqs]
+            seqs = [r.kv_committed_len for r in reqs]
             loc = kv.alloc_extend(reqs, [1] * len(reqs))
             for r in reqs:
-                r.cached_len += 1
+                r.kv_committed_len += 1
             fb = runner.make_forward_batch(ForwardMode.DECODE, ids, [r.req_pool_idx for r in reqs], seqs,
                                            [s + 1 for s in seqs], loc, kv.req_to_token_pool)
             runner.attn_backend.init_forward_metadata(fb)
@@ -119,7 +119,7 @@ def test_switch_and_bad_slot(llama_path: str) -> None:
     assert isinstance(_runner(llama_path, "float32", disable_cpu_decoder=True).decode_forward, CompiledDecode)
     runner = _runner(llama_path, "float32")
     kv, reqs, ids = _prefilled_batch(runner, [6])
-    seq = reqs[0].cached_len
+    seq = reqs[0].kv_committed_len
     bad = torch.tensor([runner.kv_cache.k_buffer[0].shape[0]], dtype=torch.int64)     # one past the last slot
     fb = runner.make_forward_batch(ForwardMode.DECODE, ids, [reqs[0].req_pool_idx], [seq], [seq + 1], bad,
                                    kv.req_to_token_pool)

@@ -93,14 +93,14 @@ def test_alloc_extend_uses_the_host_copy_of_the_last_slot() -> None:
     kv.lock(match.last_node)
     assert kv.admit(req, match)
     first = kv.alloc_extend([req], [6])
-    req.cached_len = 6
+    req.kv_committed_len = 6
     table = kv.req_to_token_pool.req_to_token
     table[req.req_pool_idx, 5] = 40                          # planted: a table read would continue slot 40
     nxt = kv.alloc_extend([req], [1])
     assert nxt.tolist() == [int(first[5]) + 1]
-    req.cached_len = 7
+    req.kv_committed_len = 7
     table[req.req_pool_idx, 5] = int(first[5])
-    req.cached_len = 6                                        # rolled back: the host copy (end 7) is stale,
+    req.kv_committed_len = 6                                        # rolled back: the host copy (end 7) is stale,
     table[req.req_pool_idx, 6] = 0                            # so the table is read, and its value is used
     again = kv.alloc_extend([req], [1])
     assert again.tolist() == [int(first[5]) + 1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from radixlm.runtime.router.dp_router import CHUNK, ApproxTree, DPRouter
+from radixlm.runtime.router.dp_router import CHUNK, ChunkedTrie, DPRouter
 
 
 def _prompt(rng: random.Random, prefix: list[int], n: int) -> list[int]:
@@ -12,7 +12,7 @@ def _prompt(rng: random.Random, prefix: list[int], n: int) -> list[int]:
 
 
 def test_approx_tree_matches_chunked_prefixes():
-    t = ApproxTree()
+    t = ChunkedTrie()
     ids = list(range(100))
     t.insert(ids)
     assert t.match(ids) == 96

@@ -25,7 +25,7 @@ def admit(kv, req) -> None:
 def extend(kv, req, n: int) -> torch.Tensor:
     loc = kv.alloc_extend([req], [n])
     assert loc is not None
-    req.cached_len += n
+    req.kv_committed_len += n
     return loc
 
 
@@ -35,7 +35,7 @@ def test_round_trip_returns_to_fully_free(page_size: int) -> None:
     assert isinstance(kv.prefix_cache, RadixCache)
     req = make_req("a", list(range(3, 13)))
     admit(kv, req)
-    assert (req.cached_len, req.req_pool_idx is not None) == (0, True)
+    assert (req.kv_committed_len, req.req_pool_idx is not None) == (0, True)
     loc = extend(kv, req, 10)
     row = kv.req_to_token_pool.req_to_token[req.req_pool_idx, :10].long()
     assert torch.equal(row, loc)                      # the manager wrote the slots into the row
@@ -56,7 +56,7 @@ def test_prefix_hit_writes_the_cached_slots_into_the_new_row(page_size: int) -> 
     kv.cache_finished_req(a)
     b = make_req("b", list(range(3, 11)) + [50, 51])
     admit(kv, b)
-    assert b.cached_len == 8 and b.prefix_indices.tolist() == a_slots[:8].tolist()
+    assert b.kv_committed_len == 8 and b.prefix_indices.tolist() == a_slots[:8].tolist()
     assert kv.req_to_token_pool.req_to_token[b.req_pool_idx, :8].long().tolist() == a_slots[:8].tolist()
     assert kv.protected_tokens() == 8
     extend(kv, b, 2)
@@ -91,7 +91,7 @@ def test_alloc_evicts_the_cache_and_fails_cleanly_when_full() -> None:
     assert kv.prefix_cache.total_size() <= 2
     free_before = kv.free_tokens()
     assert kv.alloc_extend([b], [5]) is None          # nothing left to evict: no change
-    assert kv.free_tokens() == free_before and b.cached_len == 30
+    assert kv.free_tokens() == free_before and b.kv_committed_len == 30
     kv.cache_finished_req(b)
     assert kv.is_fully_free()
 
@@ -118,10 +118,10 @@ def test_chunked_prefill_keeps_the_request_its_slots(page_size: int, disable_rad
     for n in (7, 6, 5):
         extend(kv, req, n)
         kv.cache_unfinished_req(req)
-        row = kv.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len].long()
-        assert len(set(row.tolist())) == req.cached_len
+        row = kv.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len].long()
+        assert len(set(row.tolist())) == req.kv_committed_len
         assert_slots_partitioned(kv, [req])
-        expected_prefix = 0 if disable_radix_cache else req.cached_len // page_size * page_size
+        expected_prefix = 0 if disable_radix_cache else req.kv_committed_len // page_size * page_size
         assert len(req.prefix_indices) == expected_prefix == kv.protected_tokens()
     kv.cache_finished_req(req)
     assert kv.is_fully_free()
@@ -149,10 +149,10 @@ def test_random_request_mix_never_loses_a_slot(seed: int, page_size: int) -> Non
         elif op < 0.7 and live:
             req = rng.choice(live)
             n = rng.randint(1, 6)
-            if req.cached_len + n > req.seq_len:
-                req.output_ids.extend(rng.choice([3, 4]) for _ in range(req.cached_len + n - req.seq_len))
+            if req.kv_committed_len + n > req.seq_len:
+                req.output_ids.extend(rng.choice([3, 4]) for _ in range(req.kv_committed_len + n - req.seq_len))
             if kv.alloc_extend([req], [n]) is not None:
-                req.cached_len += n
+                req.kv_committed_len += n
                 if rng.random() < 0.5:
                     kv.cache_unfinished_req(req)
         elif live:

@@ -94,7 +94,7 @@ def test_logprob_rows_cover_the_requested_prompt_positions() -> None:
     plain = make_req("p", [3, 4, 5, 6])
     lp = make_req("l", [10, 11, 12, 13, 14, 15])
     lp.return_logprob, lp.logprob_start_len = True, 2
-    lp.cached_len = 1                                 # position 0 is cached; this pass computes [1, 6)
+    lp.kv_committed_len = 1                                 # position 0 is cached; this pass computes [1, 6)
     batch = StepBatch([plain, lp], [4, 5])
     rows, spans = OutputProcessor.logprob_rows(batch)
     # logits at prompt position j give the logprob of token j + 1; start_len 2 needs j = 1 .. 4

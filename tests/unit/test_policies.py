@@ -85,6 +85,21 @@ def test_dfs_weight_keeps_shared_prefixes_together_heaviest_first() -> None:
     assert cache.protected_size() == 0
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_cache_aware_ordering_leaves_the_tree_as_it_was(policy: str) -> None:
+    a = list(range(3, 23))
+    cache = cache_with(a, [90, 91, 92, 93])
+    reqs = queue(("mid", a[:7] + [1], 8, 0), ("mid2", a[:12] + [2], 8, 0), ("long", a + [7], 8, 0),
+                 ("x", [99], 8, 0))
+    shape = [(n.id, n.key, n.last_access) for n in cache._nodes()]
+    out = rids(order_waiting(policy, reqs, cache, radix_enabled=True))
+    assert [(n.id, n.key, n.last_access) for n in cache._nodes()] == shape   # no split, no LRU refresh
+    if policy == "lpm":
+        assert out == ["long", "mid2", "mid", "x"]
+    else:        # as if the matches had split `a` at 7 and 12: root, then down the one path
+        assert out == ["x", "mid", "mid2", "long"]
+
+
 @pytest.mark.parametrize("policy,arrival,cache_aware", [
     ("lpm", ["cold", "hot"], ["hot", "cold"]),          # the cached prefix first
     ("dfs-weight", ["hot", "cold"], ["cold", "hot"]),   # the root's requests first

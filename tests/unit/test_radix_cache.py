@@ -186,6 +186,16 @@ class CacheMachine(RuleBasedStateMachine):
         self._match_checked(data.draw(self.keys(self.page_size)) + tail)
 
     @rule(data=st.data())
+    def peek(self, data: st.DataObject) -> None:
+        tail = data.draw(st.lists(st.integers(0, 2), max_size=self.page_size - 1))
+        key = data.draw(self.keys(self.page_size)) + tail
+        shape = [(n.id, len(n.key), n.last_access) for n in self.cache._nodes()]
+        length, node, node_len = self.cache.peek_prefix(key)
+        assert length == len(ref_match(self.ref, key, self.page_size))
+        assert node_path(node)[: len(node_path(node)) - len(node.key) + node_len] == tuple(key[:length])
+        assert [(n.id, len(n.key), n.last_access) for n in self.cache._nodes()] == shape   # changed nothing
+
+    @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         node, prefix = self._match_checked(data.draw(self.keys(self.page_size)))
         self.cache.inc_lock_ref(node)
@@ -319,7 +329,7 @@ def test_reset_and_pretty_print() -> None:
 class FakeReq:
     all_ids: list[int]
     req_pool_idx: int | None = None
-    cached_len: int = 0
+    kv_committed_len: int = 0
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: TreeNode | None = None
 
@@ -332,14 +342,14 @@ def admit(kv: KVManager, req: FakeReq) -> None:
 
 
 def extend(kv: KVManager, req: FakeReq, upto: int) -> None:
-    """Allocate slots for tokens [cached_len, upto) as a forward pass would."""
-    assert kv.alloc_extend([req], [upto - req.cached_len]) is not None
-    req.cached_len = upto
+    """Allocate slots for tokens [kv_committed_len, upto) as a forward pass would."""
+    assert kv.alloc_extend([req], [upto - req.kv_committed_len]) is not None
+    req.kv_committed_len = upto
 
 
 def owned_pages(pool: ReqToTokenPool, req: FakeReq, page_size: int) -> set[int]:
     row = pool.req_to_token[req.req_pool_idx]
-    return set((row[len(req.prefix_indices): req.cached_len] // page_size).tolist())
+    return set((row[len(req.prefix_indices): req.kv_committed_len] // page_size).tolist())
 
 
 def assert_no_leak(kv: KVManager, live: list[FakeReq] = ()) -> None:
@@ -452,7 +462,7 @@ def test_chunk_cache(page_size: int) -> None:
     assert isinstance(cache, ChunkCache)
     req = FakeReq(list(range(11)))
     admit(kv, req)
-    assert req.cached_len == 0
+    assert req.kv_committed_len == 0
     extend(kv, req, 6)
     own = pool.req_to_token[req.req_pool_idx, :6].tolist()
     kv.cache_unfinished_req(req)                      # nothing is shared: the slots stay the request's

@@ -9,7 +9,7 @@ import torch
 
 from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
 from radixlm.runtime.layers.sampler import Sampler, apply_penalties, process_logits, sorted_candidates
-from radixlm.runtime.layers.sampling_batch_info import SamplingBatchInfo, step_seed
+from radixlm.runtime.layers.sampling_batch_info import PenaltyState, SamplingBatchInfo, step_seed
 from radixlm.runtime.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -197,6 +197,30 @@ def test_penalties_only_touch_their_own_rows() -> None:
     got = apply_penalties(logits, info)
     assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
     assert not torch.equal(got[1], logits[1])
+
+
+def test_kept_penalty_states_equal_a_rebuild_every_step() -> None:
+    """States carried across steps (one or more new tokens at a time, batches changing) give the
+    same tensors and the same penalized logits as building from the whole sequences."""
+    params = [sp(repetition_penalty=1.3), sp(frequency_penalty=0.5, presence_penalty=0.2), sp(),
+              sp(repetition_penalty=0.8, frequency_penalty=-0.4)]
+    prompts = [[1, 2, 2], [3], [4, 5], [6, 6, 7]]
+    outputs: list[list[int]] = [[], [], [], []]
+    states = [PenaltyState(p, ids, VOCAB, "cpu") if p.has_penalties else None for p, ids in zip(params, prompts)]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        rows = [i for i in range(4) if (i + step) % 3]          # a different batch each step
+        for i in rows:
+            outputs[i].extend(torch.randint(0, VOCAB, (1 + step % 2,), generator=gen).tolist())
+        args = ([params[i] for i in rows], [prompts[i] for i in rows], [outputs[i] for i in rows], VOCAB,
+                [EOS], "cpu")
+        kept = SamplingBatchInfo.build(*args, penalty_states=[states[i] for i in rows])
+        fresh = SamplingBatchInfo.build(*args)
+        for name in ("output_counts", "seen_tokens"):
+            a, b = getattr(kept, name), getattr(fresh, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (step, name)
+        logits = torch.randn(len(rows), VOCAB, generator=gen)
+        assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, fresh))
 
 
 def test_plain_batch_builds_no_vocab_sized_tensors() -> None:

@@ -1,4 +1,4 @@
-"""ApproxTree: a token trie without KV, for "would this prompt share a prefix with those?".
+"""ChunkedTrie: a token trie without KV, for "would this prompt share a prefix with those?".
 
 It indexes prompts in CHUNK-token pieces and is pruned LRU. The DP router keeps one per replica
 (prompts routed there); the batch planner keeps one per step (prompts being prefilled now).
@@ -21,7 +21,7 @@ class _Node:
     last_use: int = 0
 
 
-class ApproxTree:
+class ChunkedTrie:
     """Chunked token trie; `match` returns how many leading tokens were inserted before."""
 
     def __init__(self) -> None:
