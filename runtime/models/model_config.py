@@ -5,7 +5,8 @@ A .gguf file path is accepted too: its metadata is converted once into a cached 
 
 Accepts both config.json forms: transformers 5 (`rope_parameters`, `dtype`) and the older one
 (top-level `rope_theta`, `rope_scaling`, `torch_dtype`). Every problem a user can cause (bad path,
-unsupported architecture or rope, too long a context) raises `ModelLoadError` with a plain message.
+unsupported architecture or rope, too long a context) raises `ModelLoadError` with a plain message;
+so does any config.json value the runtime does not implement (see config_fields.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..layers.rotary import SUPPORTED_ROPE_TYPES
+from .config_fields import unsupported_reason
 from .registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class ModelConfig:
         if hf is None:
             raise ModelLoadError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
         arch = _check_architecture(hf)
+        reason = unsupported_reason(arch, hf)
+        if reason is not None:
+            raise ModelLoadError(f"{reason} ({str(folder / 'config.json')!r})")
         try:
             config = ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length, device)
         except KeyError as err:

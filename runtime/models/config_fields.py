@@ -1,0 +1,106 @@
+"""Which config.json fields radixlm implements, which it may ignore, and the load-time refusal.
+
+Every field of the transformers config class of a registered architecture is in exactly one of:
+
+    READ_FIELDS    radixlm reads it and the computation follows it (value: where it is read)
+    INERT_FIELDS   it does not change a served forward pass (value: why)
+
+(tests/unit/test_config_fields.py walks the config classes and checks this, and that changing
+each READ field in config.json changes the loaded ModelConfig or is refused.)
+
+`unsupported_reason(arch, hf)` runs at load (ModelConfig.from_path raises ModelLoadError with it)
+and names a value radixlm cannot honor: an activation other than SiLU, sliding windows, a quantized
+checkpoint, an encoder-decoder config. Keys that are no field of the architecture's config class
+are ignored by transformers too, and so here.
+"""
+
+from __future__ import annotations
+
+READ_FIELDS: dict[str, str] = {
+    "architectures": "registry: picks the model class",
+    "hidden_size": "ModelConfig.hidden_size",
+    "intermediate_size": "ModelConfig.intermediate_size",
+    "num_attention_heads": "ModelConfig.num_heads",
+    "num_key_value_heads": "ModelConfig.num_kv_heads",
+    "head_dim": "ModelConfig.head_dim",
+    "num_hidden_layers": "ModelConfig.num_layers",
+    "vocab_size": "ModelConfig.vocab_size",
+    "rms_norm_eps": "ModelConfig.rms_norm_eps",
+    "max_position_embeddings": "ModelConfig.max_position_embeddings (rope cache, context limit)",
+    "dtype": "ModelConfig.dtype for --dtype auto",
+    "torch_dtype": "ModelConfig.dtype for --dtype auto (transformers 4 name)",
+    "eos_token_id": "ModelConfig.eos_token_ids",
+    "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
+    "rope_parameters": "ModelConfig.rope_theta / rope_scaling (rope types checked)",
+    "rope_theta": "ModelConfig.rope_theta (transformers 4 name)",
+    "rope_scaling": "ModelConfig.rope_scaling (transformers 4 name)",
+    "attention_bias": "ModelConfig.attention_bias",
+    "mlp_bias": "ModelConfig.mlp_bias",
+    "hidden_act": "checked here: only silu",
+    "sliding_window": "refused here when any layer would use it",
+    "use_sliding_window": "refused here when any layer would use a window",
+    "max_window_layers": "refused here when any layer would use a window",
+    "layer_types": "refused here when any layer is sliding_attention",
+}
+
+INERT_FIELDS: dict[str, str] = {
+    "_name_or_path": "where transformers loaded it from",
+    "transformers_version": "the writer's version",
+    "model_type": "architectures picks the class",
+    "bos_token_id": "the tokenizer and chat template add BOS; the model does not read it",
+    "pad_token_id": "requests are packed, never padded",
+    "initializer_range": "random init only; weights come from the checkpoint",
+    "attention_dropout": "dropout is off at inference",
+    "pretraining_tp": "transformers 5 no longer reads it; the math is the same",
+    "use_cache": "HF's own KV cache switch; radixlm always uses its paged cache",
+    "output_attentions": "HF output option",
+    "output_hidden_states": "HF output option",
+    "return_dict": "HF output option",
+    "chunk_size_feed_forward": "HF memory chunking of the MLP; same values",
+    "id2label": "classification heads only",
+    "label2id": "classification heads only",
+    "problem_type": "classification heads only",
+    "is_encoder_decoder": "checked here to be false (decoder-only models)",
+}
+
+# fields of no registered config class that change the computation wherever transformers honors them
+_REFUSED_IF_SET: dict[str, str] = {
+    "quantization_config": "quantized safetensors checkpoints are not supported (use the unquantized "
+                           "checkpoint, or a GGUF file)",
+}
+
+
+def unsupported_reason(arch: str, hf: dict) -> str | None:
+    """Why radixlm cannot serve this config.json as transformers would, or None."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        return f"Unsupported hidden_act {act!r}; only 'silu' is supported"
+    if hf.get("is_encoder_decoder"):
+        return "Encoder-decoder models are not supported (is_encoder_decoder is true)"
+    for key, why in _REFUSED_IF_SET.items():
+        if hf.get(key):
+            return f"config.json sets {key!r}: {why}"
+    windows = sliding_layers(arch, hf)
+    if windows:
+        shown = f"{windows[:8]}{'...' if len(windows) > 8 else ''}"
+        return f"Sliding-window attention (sliding_window={hf['sliding_window']} on layers {shown}) is not implemented"
+    return None
+
+
+def sliding_layers(arch: str, hf: dict) -> list[int]:
+    """The layers that attend over a sliding window, decided as transformers decides it:
+    Mistral: every layer when sliding_window is set. Qwen2/Qwen3: none unless use_sliding_window;
+    then `layer_types` when given, else layers >= max_window_layers (default 28). Llama: none
+    (LlamaConfig has no window)."""
+    window = hf.get("sliding_window")
+    num_layers = int(hf.get("num_hidden_layers", 0))
+    if window is None or arch == "LlamaForCausalLM":
+        return []
+    if arch == "MistralForCausalLM":
+        return list(range(num_layers))
+    if not hf.get("use_sliding_window", False):
+        return []
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        return [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    return list(range(int(hf.get("max_window_layers", 28)), num_layers))
