@@ -9,8 +9,8 @@ Every field of the transformers config class of a registered architecture is in 
 each READ field in config.json changes the loaded ModelConfig or is refused.)
 
 `unsupported_reason(arch, hf)` runs at load (ModelConfig.from_path raises ModelLoadError with it)
-and names a value radixlm cannot honor: an activation other than SiLU, sliding windows, a quantized
-checkpoint, an encoder-decoder config. Keys that are no field of the architecture's config class
+and names a value radixlm cannot honor: an activation other than SiLU, a quantized checkpoint, an
+encoder-decoder config, a layer type other than full or sliding attention. Keys that are no field of the architecture's config class
 are ignored by transformers too, and so here.
 """
 
@@ -37,10 +37,10 @@ READ_FIELDS: dict[str, str] = {
     "attention_bias": "ModelConfig.attention_bias",
     "mlp_bias": "ModelConfig.mlp_bias",
     "hidden_act": "checked here: only silu",
-    "sliding_window": "refused here when any layer would use it",
-    "use_sliding_window": "refused here when any layer would use a window",
-    "max_window_layers": "refused here when any layer would use a window",
-    "layer_types": "refused here when any layer is sliding_attention",
+    "sliding_window": "ModelConfig.sliding_window (sliding_layers below)",
+    "use_sliding_window": "ModelConfig.sliding_window_layers (Qwen: the window's switch)",
+    "max_window_layers": "ModelConfig.sliding_window_layers (Qwen: the first sliding layer)",
+    "layer_types": "ModelConfig.sliding_window_layers (sliding_attention / full_attention)",
 }
 
 INERT_FIELDS: dict[str, str] = {
@@ -80,10 +80,12 @@ def unsupported_reason(arch: str, hf: dict) -> str | None:
     for key, why in _REFUSED_IF_SET.items():
         if hf.get(key):
             return f"config.json sets {key!r}: {why}"
-    windows = sliding_layers(arch, hf)
-    if windows:
-        shown = f"{windows[:8]}{'...' if len(windows) > 8 else ''}"
-        return f"Sliding-window attention (sliding_window={hf['sliding_window']} on layers {shown}) is not implemented"
+    unknown = sorted(set(hf.get("layer_types") or ()) - {"full_attention", "sliding_attention"})
+    if unknown:
+        return f"Unsupported layer_types {unknown}; only full_attention and sliding_attention are supported"
+    window = hf.get("sliding_window")
+    if sliding_layers(arch, hf) and (not isinstance(window, int) or window < 1):
+        return f"sliding_window must be a positive integer, got {window!r}"
     return None
 
 

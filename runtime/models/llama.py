@@ -6,7 +6,8 @@ Layers pass the residual stream along SGLang style: each RMSNorm takes (x, resid
 norms the sum, so on CPU the add fuses into the norm (kernels/cpu_ops); the rounding equals HF's.
 
 Attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rope, RadixAttention over
-the paged KV cache, row-parallel o_proj. Checkpoint names (q/k/v_proj, gate/up_proj) are remapped
+the paged KV cache (a sliding window on the layers the config names: Mistral, Qwen2/3 with
+use_sliding_window), row-parallel o_proj. Checkpoint names (q/k/v_proj, gate/up_proj) are remapped
 onto the fused parameters in `load_weights`; `forward` is plain PyTorch.
 """
 
@@ -28,6 +29,7 @@ from ..layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from ..layers.moe import MoEOptions, SparseMoeBlock
 from ..layers.rotary import RotaryEmbedding
 from ..layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ..model_executor.forward_batch import ForwardBatch
@@ -54,6 +56,7 @@ class LlamaOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False      # RMSNorm over head_dim on q and k before rope (Qwen3)
+    moe: MoEOptions | None = None  # experts replace the MLP on moe.sparse_layers (models/moe.py)
 
 
 class LlamaMLP(nn.Module):
@@ -83,7 +86,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
-                                   scaling=head_dim**-0.5)
+                                   scaling=head_dim**-0.5,
+                                   sliding_window_size=config.sliding_window_size(layer_id))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         # hidden: [n, hidden]; q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)
@@ -102,7 +106,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, options: LlamaOptions, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(config, options, layer_id, rotary_emb)
-        self.mlp = LlamaMLP(config, options.mlp_bias)
+        moe = options.moe
+        self.mlp = (SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                   moe.renormalize, moe.shared_intermediate_size)
+                    if moe is not None and layer_id in moe.sparse_layers else LlamaMLP(config, options.mlp_bias))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,6 +136,12 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, options, i, rotary_emb) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def dense_full_attention(self) -> bool:
+        """Every layer has full attention and a dense MLP: what the one-call CPU decoder runs."""
+        return all(layer.self_attn.attn.sliding_window_size < 0 and isinstance(layer.mlp, LlamaMLP)
+                   for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

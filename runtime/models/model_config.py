@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..layers.rotary import SUPPORTED_ROPE_TYPES
-from .config_fields import unsupported_reason
+from .config_fields import sliding_layers, unsupported_reason
 from .registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class ModelConfig:
     mlp_bias: bool
     hf_config: dict = field(repr=False)
     gguf_file: str | None = None   # weights come from this GGUF file instead of safetensors in `path`
+    sliding_window: int | None = None         # HF's: keys a query sees, itself included, on the layers below
+    sliding_window_layers: tuple[int, ...] = ()
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
@@ -113,7 +115,16 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hf_config=hf,
+            sliding_window=int(hf["sliding_window"]) if sliding_layers(arch, hf) else None,
+            sliding_window_layers=tuple(sliding_layers(arch, hf)),
         )
+
+    def sliding_window_size(self, layer_id: int) -> int:
+        """The layer's window as FlashInfer's `window_left` (a query at position i sees keys
+        [i - window_left, i]); -1 for full attention."""
+        if self.sliding_window is None or layer_id not in self.sliding_window_layers:
+            return -1
+        return self.sliding_window - 1
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each TP rank stores (kv heads are replicated when tp_size > num_kv_heads)."""
