@@ -16,6 +16,8 @@ are ignored by transformers too, and so here.
 
 from __future__ import annotations
 
+from ..layers.moe import MoEOptions
+
 READ_FIELDS: dict[str, str] = {
     "architectures": "registry: picks the model class",
     "hidden_size": "ModelConfig.hidden_size",
@@ -41,6 +43,15 @@ READ_FIELDS: dict[str, str] = {
     "use_sliding_window": "ModelConfig.sliding_window_layers (Qwen: the window's switch)",
     "max_window_layers": "ModelConfig.sliding_window_layers (Qwen: the first sliding layer)",
     "layer_types": "ModelConfig.sliding_window_layers (sliding_attention / full_attention)",
+    "qkv_bias": "ModelConfig.attention_bias (Qwen2-MoE's name)",
+    "num_experts": "ModelConfig.moe.num_experts",
+    "num_local_experts": "ModelConfig.moe.num_experts",
+    "num_experts_per_tok": "ModelConfig.moe.top_k",
+    "moe_intermediate_size": "ModelConfig.moe.intermediate_size",
+    "norm_topk_prob": "ModelConfig.moe.renormalize",
+    "shared_expert_intermediate_size": "ModelConfig.moe.shared_intermediate_size",
+    "decoder_sparse_step": "ModelConfig.moe.sparse_layers",
+    "mlp_only_layers": "ModelConfig.moe.sparse_layers",
 }
 
 INERT_FIELDS: dict[str, str] = {
@@ -61,6 +72,9 @@ INERT_FIELDS: dict[str, str] = {
     "label2id": "classification heads only",
     "problem_type": "classification heads only",
     "is_encoder_decoder": "checked here to be false (decoder-only models)",
+    "output_router_logits": "HF output option (router logits for the training loss)",
+    "router_aux_loss_coef": "training loss weight",
+    "router_jitter_noise": "HF applies the jitter only in training",
 }
 
 # fields of no registered config class that change the computation wherever transformers honors them
@@ -91,18 +105,43 @@ def unsupported_reason(arch: str, hf: dict) -> str | None:
 
 def sliding_layers(arch: str, hf: dict) -> list[int]:
     """The layers that attend over a sliding window, decided as transformers decides it:
-    Mistral: every layer when sliding_window is set. Qwen2/Qwen3: none unless use_sliding_window;
-    then `layer_types` when given, else layers >= max_window_layers (default 28). Llama: none
-    (LlamaConfig has no window)."""
+    Mistral, Mixtral: every layer when sliding_window is set. Qwen2/Qwen3 (and their MoE): none
+    unless use_sliding_window; then `layer_types` when given, else layers >= max_window_layers
+    (default 28); Qwen3-MoE every layer; Qwen2-MoE the even layers below max_window_layers.
+    Llama: none (LlamaConfig has no window)."""
     window = hf.get("sliding_window")
     num_layers = int(hf.get("num_hidden_layers", 0))
     if window is None or arch == "LlamaForCausalLM":
         return []
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return list(range(num_layers))
     if not hf.get("use_sliding_window", False):
         return []
+    if arch == "Qwen3MoeForCausalLM":               # no layer_types: the window is on every layer
+        return list(range(num_layers))
     layer_types = hf.get("layer_types")
     if layer_types is not None:
         return [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    if arch == "Qwen2MoeForCausalLM":               # transformers' rule: even layers below max_window_layers
+        return [i for i in range(num_layers) if i % 2 == 0 and i < int(hf.get("max_window_layers", 28))]
     return list(range(int(hf.get("max_window_layers", 28)), num_layers))
+
+
+def moe_options(arch: str, hf: dict) -> MoEOptions | None:
+    """The experts of a Qwen2-MoE, Qwen3-MoE or Mixtral config; None for dense architectures.
+    Qwen: layer i is sparse unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0;
+    top-k weights renormalized only with norm_topk_prob. Mixtral: every layer, always renormalized."""
+    num_layers = int(hf["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return MoEOptions(num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 8))),
+                          top_k=int(hf.get("num_experts_per_tok", 2)), intermediate_size=int(hf["intermediate_size"]),
+                          renormalize=True, sparse_layers=tuple(range(num_layers)))
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    shared = int(hf.get("shared_expert_intermediate_size", 0) or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEOptions(num_experts=int(hf.get("num_experts", hf.get("num_local_experts"))),
+                      top_k=int(hf["num_experts_per_tok"]), intermediate_size=int(hf["moe_intermediate_size"]),
+                      renormalize=bool(hf.get("norm_topk_prob", False)), shared_intermediate_size=shared,
+                      sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))

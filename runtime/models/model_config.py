@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from ..layers.moe import MoEOptions
 from ..layers.rotary import SUPPORTED_ROPE_TYPES
-from .config_fields import sliding_layers, unsupported_reason
+from .config_fields import moe_options, sliding_layers, unsupported_reason
 from .registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class ModelConfig:
     gguf_file: str | None = None   # weights come from this GGUF file instead of safetensors in `path`
     sliding_window: int | None = None         # HF's: keys a query sees, itself included, on the layers below
     sliding_window_layers: tuple[int, ...] = ()
+    moe: MoEOptions | None = None             # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral)
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
@@ -112,11 +114,12 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch == "Qwen2MoeForCausalLM"))),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hf_config=hf,
             sliding_window=int(hf["sliding_window"]) if sliding_layers(arch, hf) else None,
             sliding_window_layers=tuple(sliding_layers(arch, hf)),
+            moe=moe_options(arch, hf),
         )
 
     def sliding_window_size(self, layer_id: int) -> int:

@@ -12,6 +12,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("radixlm.runtime.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("radixlm.runtime.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("radixlm.runtime.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("radixlm.runtime.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("radixlm.runtime.models.moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("radixlm.runtime.models.moe", "MixtralForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

@@ -74,11 +74,15 @@ def perturbed(field: str, value: object) -> object:
     if field == "sliding_window":
         return 48 if value is None else None
     if field == "max_window_layers":
-        return 1
+        return 0
+    if field == "mlp_only_layers":
+        return [0]
     if field == "layer_types":
         return ["sliding_attention", *value[1:]]
     if field == "rope_parameters":
         return {**value, "rope_theta": value["rope_theta"] * 2}
+    if field == "head_dim" and value is None:
+        return 32
     if field == "dtype":
         return "bfloat16"
     if isinstance(value, bool):
