@@ -75,6 +75,9 @@ INERT_FIELDS: dict[str, str] = {
     "output_router_logits": "HF output option (router logits for the training loss)",
     "router_aux_loss_coef": "training loss weight",
     "router_jitter_noise": "HF applies the jitter only in training",
+    "resid_pdrop": "dropout is off at inference",
+    "embd_pdrop": "dropout is off at inference",
+    "original_max_position_embeddings": "read by LongRoPE only, which is refused (rope_type check)",
 }
 
 # fields of no registered config class that change the computation wherever transformers honors them
@@ -94,6 +97,10 @@ def unsupported_reason(arch: str, hf: dict) -> str | None:
     for key, why in _REFUSED_IF_SET.items():
         if hf.get(key):
             return f"config.json sets {key!r}: {why}"
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        return f"partial_rotary_factor {partial} (rope on part of each head) is not implemented"
     unknown = sorted(set(hf.get("layer_types") or ()) - {"full_attention", "sliding_attention"})
     if unknown:
         return f"Unsupported layer_types {unknown}; only full_attention and sliding_attention are supported"
@@ -105,7 +112,7 @@ def unsupported_reason(arch: str, hf: dict) -> str | None:
 
 def sliding_layers(arch: str, hf: dict) -> list[int]:
     """The layers that attend over a sliding window, decided as transformers decides it:
-    Mistral, Mixtral: every layer when sliding_window is set. Qwen2/Qwen3 (and their MoE): none
+    Mistral, Mixtral, Phi-3: every layer when sliding_window is set. Qwen2/Qwen3 (and their MoE): none
     unless use_sliding_window; then `layer_types` when given, else layers >= max_window_layers
     (default 28); Qwen3-MoE every layer; Qwen2-MoE the even layers below max_window_layers.
     Llama: none (LlamaConfig has no window)."""
@@ -113,7 +120,7 @@ def sliding_layers(arch: str, hf: dict) -> list[int]:
     num_layers = int(hf.get("num_hidden_layers", 0))
     if window is None or arch == "LlamaForCausalLM":
         return []
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return list(range(num_layers))
     if not hf.get("use_sliding_window", False):
         return []

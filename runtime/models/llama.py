@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..distributed.parallel_state import get_tp_size
 from ..layers.activation import SiluAndMul
 from ..layers.attention.base import RadixAttention
 from ..layers.layernorm import RMSNorm
@@ -56,6 +57,8 @@ class LlamaOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False      # RMSNorm over head_dim on q and k before rope (Qwen3)
+    qk_norm_full: bool = False  # RMSNorm over the whole q and k projections instead (OLMo 2; TP=1)
+    post_norms: bool = False   # x += norm(attn(x)); x += norm(mlp(x)), no input norm (OLMo 2)
     moe: MoEOptions | None = None  # experts replace the MLP on moe.sparse_layers (models/moe.py)
 
 
@@ -82,8 +85,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads,
                                           bias=options.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=options.o_bias)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
+        if options.qk_norm_full and get_tp_size() > 1:
+            raise ModelLoadError("q/k norm over the whole projection (OLMo 2) needs tensor parallel size 1")
+        self.qk_norm_full = options.qk_norm_full
+        q_dim, k_dim = (self.qkv_proj.q_size, self.qkv_proj.kv_size) if options.qk_norm_full else (head_dim, head_dim)
+        has_norm = options.qk_norm or options.qk_norm_full
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if has_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                                    scaling=head_dim**-0.5,
@@ -92,7 +100,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         # hidden: [n, hidden]; q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        if self.q_norm is not None:
+        if self.qk_norm_full:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        elif self.q_norm is not None:
             q = self._norm_per_head(q, self.q_norm)
             k = self._norm_per_head(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
@@ -110,13 +120,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = (SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
                                    moe.renormalize, moe.shared_intermediate_size)
                     if moe is not None and layer_id in moe.sparse_layers else LlamaMLP(config, options.mlp_bias))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norms = options.post_norms
+        self.input_layernorm = None if options.post_norms else RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if options.post_norms else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it): the next layer adds them. May overwrite
         `hidden` and `residual` in place (the fused norm)."""
+        if self.post_norms:
+            x = hidden if residual is None else hidden + residual   # the residual stream
+            x = x + self.post_attention_layernorm(self.self_attn(positions, x, fb))
+            return self.post_feedforward_layernorm(self.mlp(x)), x
         if residual is None:                       # first layer: the residual stream is the embedding
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -139,9 +155,10 @@ class LlamaModel(nn.Module):
 
     @property
     def dense_full_attention(self) -> bool:
-        """Every layer has full attention and a dense MLP: what the one-call CPU decoder runs."""
+        """Every layer is the plain pre-norm layer with full attention, a dense MLP and at most a
+        per-head q/k norm: what the one-call CPU decoder runs."""
         return all(layer.self_attn.attn.sliding_window_size < 0 and isinstance(layer.mlp, LlamaMLP)
-                   for layer in self.layers)
+                   and not layer.post_norms and not layer.self_attn.qk_norm_full for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

@@ -15,6 +15,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("radixlm.runtime.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("radixlm.runtime.models.moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("radixlm.runtime.models.moe", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("radixlm.runtime.models.phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("radixlm.runtime.models.olmo2", "Olmo2ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

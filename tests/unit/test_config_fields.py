@@ -123,6 +123,9 @@ def test_every_read_field_changes_the_loaded_config(arch: str, tmp_path: Path) -
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
     ({"is_encoder_decoder": True}, "Encoder-decoder"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
 ])
 def test_unimplemented_values_are_refused(tmp_path: Path, hf_patch: dict, message: str) -> None:
     hf = {**base_config("LlamaForCausalLM"), **hf_patch}

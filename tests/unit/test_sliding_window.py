@@ -1,5 +1,6 @@
-"""Sliding-window models against HF transformers fp32: a tiny random Mistral (every layer windowed)
-and a Qwen2 with use_sliding_window (layers >= max_window_layers windowed, the rest full).
+"""Sliding-window models against HF transformers fp32: a tiny random Mistral and Phi-3 (every layer
+windowed; Phi-3 also loads fused qkv/gate_up tensors) and a Qwen2 with use_sliding_window (layers
+>= max_window_layers windowed, the rest full).
 
 The window is 48 tokens and the prompts are longer (60-130), so a model that ignored the window
 would differ. Runs the paged model directly (kernels on and off, page sizes 1 and 16, chunked
@@ -36,21 +37,23 @@ def _build(folder: Path, config, tokenizer_from: str) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3"])
 def swa_model(request, tmp_path_factory, llama_path: str):
-    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen2Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2000, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
                   rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=0, pad_token_id=0, sliding_window=WINDOW)
     if request.param == "mistral":
         config = MistralConfig(**common, num_hidden_layers=2, head_dim=16)
+    elif request.param == "phi3":                     # fused qkv_proj / gate_up_proj checkpoint tensors
+        config = Phi3Config(**common, num_hidden_layers=2)
     else:
         config = Qwen2Config(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
     path = _build(tmp_path_factory.mktemp(request.param), config, llama_path)
     ours = ModelConfig.from_path(path)
     assert ours.sliding_window == WINDOW
-    assert ours.sliding_window_layers == ((0, 1) if request.param == "mistral" else (1, 2))
+    assert ours.sliding_window_layers == ((1, 2) if request.param == "qwen2" else (0, 1))
     model = load_model(ours, "cpu", show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, ours, model, hf
