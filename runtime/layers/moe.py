@@ -10,6 +10,7 @@ scaled by their routing weights and scatter-added back (`index_add_`). The loop 
 got tokens, never over tokens. Each expert is a `LlamaMLP`-shaped pair of parallel linear layers, so
 `pack_linear_weights` packs expert weights like the dense ones and TP splits every expert's
 intermediate size; the down projections skip their all-reduce and the summed output is reduced once.
+The per-expert counts are read on the host (a sync on CUDA), so MoE layers refuse CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, hidden] -> [n, hidden]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MoE layers read per-expert token counts on the host and cannot be captured "
+                               "in a CUDA graph; serve MoE models with --disable-cuda-graph")
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()                                       # [n*k], pair p is token p // k

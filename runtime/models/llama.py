@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel_state import get_tp_size
@@ -59,19 +60,32 @@ class LlamaOptions:
     qk_norm: bool = False      # RMSNorm over head_dim on q and k before rope (Qwen3)
     qk_norm_full: bool = False  # RMSNorm over the whole q and k projections instead (OLMo 2; TP=1)
     post_norms: bool = False   # x += norm(attn(x)); x += norm(mlp(x)), no input norm (OLMo 2)
+    sandwich_norms: bool = False  # post_norms plus the input norms before attn and mlp (Gemma 3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the model dtype (Gemma)
     moe: MoEOptions | None = None  # experts replace the MLP on moe.sparse_layers (models/moe.py)
+
+
+class GeluTanhAndMul(nn.Module):
+    """x: [..., 2*d] laid out [gate | up]; gelu(gate, tanh approximation) * up (GeGLU, Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, bias: bool):
         super().__init__()
-        act = config.hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"Unsupported hidden_act {act!r}; only 'silu' is supported")
+        self.act = config.hidden_act
+        if self.act not in GATED_ACTIVATIONS:
+            raise ModelLoadError(f"Unsupported hidden_act {self.act!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GATED_ACTIVATIONS[self.act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -94,7 +108,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if has_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
-                                   scaling=head_dim**-0.5,
+                                   scaling=(config.query_pre_attn_scalar or head_dim) ** -0.5,
                                    sliding_window_size=config.sliding_window_size(layer_id))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -120,10 +134,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = (SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
                                    moe.renormalize, moe.shared_intermediate_size)
                     if moe is not None and layer_id in moe.sparse_layers else LlamaMLP(config, options.mlp_bias))
-        self.post_norms = options.post_norms
-        self.input_layernorm = None if options.post_norms else RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if options.post_norms else None
+        self.post_norms = options.post_norms or options.sandwich_norms
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = None if options.post_norms else norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if options.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if self.post_norms else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +147,10 @@ class LlamaDecoderLayer(nn.Module):
         `hidden` and `residual` in place (the fused norm)."""
         if self.post_norms:
             x = hidden if residual is None else hidden + residual   # the residual stream
-            x = x + self.post_attention_layernorm(self.self_attn(positions, x, fb))
-            return self.post_feedforward_layernorm(self.mlp(x)), x
+            h = x if self.input_layernorm is None else self.input_layernorm(x)
+            x = x + self.post_attention_layernorm(self.self_attn(positions, h, fb))
+            h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+            return self.post_feedforward_layernorm(self.mlp(h)), x
         if residual is None:                       # first layer: the residual stream is the embedding
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -147,9 +165,14 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: LlamaOptions):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size ** 0.5 if options.embed_scale else None
         rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling)
+        # Gemma 3: the sliding-window layers have their own (plain) rope base
+        local = (RotaryEmbedding(config.head_dim, config.context_len, config.local_rope_theta)
+                 if config.local_rope_theta is not None else rotary_emb)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, i, rotary_emb) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, options, i, local if i in config.sliding_window_layers else rotary_emb)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -158,10 +181,13 @@ class LlamaModel(nn.Module):
         """Every layer is the plain pre-norm layer with full attention, a dense MLP and at most a
         per-head q/k norm: what the one-call CPU decoder runs."""
         return all(layer.self_attn.attn.sliding_window_size < 0 and isinstance(layer.mlp, LlamaMLP)
-                   and not layer.post_norms and not layer.self_attn.qk_norm_full for layer in self.layers)
+                   and layer.mlp.act == "silu" and not layer.post_norms and not layer.self_attn.qk_norm_full
+                   and self.embed_scale is None for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, fb, residual)
         if residual is None:                       # no layers
@@ -189,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors into the (fused, sharded) parameters.

@@ -62,6 +62,10 @@ class ModelConfig:
     sliding_window: int | None = None         # HF's: keys a query sees, itself included, on the layers below
     sliding_window_layers: tuple[int, ...] = ()
     moe: MoEOptions | None = None             # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral)
+    hidden_act: str = "silu"                  # the MLP's gated activation
+    local_rope_theta: float | None = None     # Gemma 3: rope base of the sliding-window layers
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
+    final_logit_softcapping: float | None = None  # logits = tanh(logits / cap) * cap
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
@@ -120,6 +124,11 @@ class ModelConfig:
             sliding_window=int(hf["sliding_window"]) if sliding_layers(arch, hf) else None,
             sliding_window_layers=tuple(sliding_layers(arch, hf)),
             moe=moe_options(arch, hf),
+            hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
+            local_rope_theta=_local_rope_theta(hf),
+            query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None),
+            final_logit_softcapping=(float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
+                                     else None),
         )
 
     def sliding_window_size(self, layer_id: int) -> int:
@@ -196,6 +205,8 @@ def _check_architecture(hf: dict) -> str:
 def _rope_settings(hf: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from `rope_parameters` or `rope_theta`/`rope_scaling`."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "full_attention" in params:       # per layer type (Gemma 3): these are the full-attention layers'
+        params = dict(params["full_attention"])
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -204,6 +215,17 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
         return theta, None
     params["rope_type"] = rope_type
     return theta, params
+
+
+def _local_rope_theta(hf: dict) -> float | None:
+    """Gemma 3's rope base for sliding layers: rope_parameters["sliding_attention"] (transformers 5)
+    or rope_local_base_freq (transformers 4); None when the layers share one rope."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"Unsupported rope_type {local.get('rope_type')!r} for the sliding layers")
+        return float(local.get("rope_theta", 10000.0))
+    return float(hf["rope_local_base_freq"]) if hf.get("rope_local_base_freq") else None
 
 
 def _context_len(context_length: int | None, max_pos: int) -> int:

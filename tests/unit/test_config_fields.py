@@ -25,7 +25,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 
 
 def config_class(arch: str) -> type:
-    return getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    return getattr(transformers, arch).config_class
 
 
 def class_fields(arch: str) -> list[str]:
@@ -55,6 +55,11 @@ def _window_context(arch: str, field: str) -> dict:
     """A config in which `field` decides whether a layer slides (Qwen's switches only matter
     together: a window, the switch on, and max_window_layers below the layer count)."""
     hf = base_config(arch)
+    if arch == "Gemma3ForCausalLM" and field in ("sliding_window", "layer_types", "_sliding_window_pattern"):
+        hf["sliding_window"] = None if field == "sliding_window" else 48
+        if field != "layer_types":
+            hf.pop("layer_types", None)
+        return hf
     if arch == "MistralForCausalLM" or field not in ("sliding_window", "use_sliding_window",
                                                      "max_window_layers", "layer_types"):
         return hf
@@ -75,14 +80,21 @@ def perturbed(field: str, value: object) -> object:
         return 48 if value is None else None
     if field == "max_window_layers":
         return 0
+    if field == "_sliding_window_pattern":
+        return 2
     if field == "mlp_only_layers":
         return [0]
     if field == "layer_types":
-        return ["sliding_attention", *value[1:]]
+        flipped = "full_attention" if value[0] == "sliding_attention" else "sliding_attention"
+        return [flipped, *value[1:]]
+    if field == "rope_parameters" and "full_attention" in value:     # per layer type (Gemma 3)
+        return {**value, "sliding_attention": perturbed(field, value["sliding_attention"])}
     if field == "rope_parameters":
         return {**value, "rope_theta": value["rope_theta"] * 2}
     if field == "head_dim" and value is None:
         return 32
+    if value is None:                                  # an unset option: set it
+        return True if field.startswith("use_") else 30.0
     if field == "dtype":
         return "bfloat16"
     if isinstance(value, bool):
