@@ -11,6 +11,7 @@ Per request i:
     keys     pages kv_indices[kv_indptr[i]:kv_indptr[i+1]], flattened, first kv_len tokens
              kv_len = (num_pages - 1) * page_size + kv_last_page_len[i]
     causal   query j sits at kv position kv_len - qo_len + j and sees keys [0, that position]
+    window   with window_left >= 0 (FlashInfer's argument), only keys [position - window_left, position]
 
 GQA: query head h reads kv head h // (num_heads // num_kv_heads). Math runs in fp32.
 """
@@ -23,7 +24,7 @@ import torch
 def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         kv_last_page_len: torch.Tensor, sm_scale: float,
-                        causal: bool = True) -> torch.Tensor:
+                        causal: bool = True, window_left: int = -1) -> torch.Tensor:
     """q: [nnz_qo, num_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim].
 
     Returns [nnz_qo, num_heads, head_dim] in q's dtype.
@@ -47,10 +48,12 @@ def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         if qo_len == 0:
             continue
         scores = torch.einsum("qhd,khd->hqk", qi, k) * sm_scale                # [heads, qo_len, kv_len]
+        q_pos = torch.arange(qo_len, device=q.device) + (kv_len - qo_len)
+        k_pos = torch.arange(kv_len, device=q.device)
         if causal:
-            q_pos = torch.arange(qo_len, device=q.device) + (kv_len - qo_len)
-            k_pos = torch.arange(kv_len, device=q.device)
             scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        if window_left >= 0:
+            scores = scores.masked_fill(k_pos[None, :] < q_pos[:, None] - window_left, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[qo_ptr[i]:qo_ptr[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(q.dtype)

@@ -10,6 +10,10 @@
 // (position prefix_len + i) attends keys [0, prefix_len + i]. Decode is one query per request at
 // position seq_len - 1.
 //
+// Sliding window: with window_left >= 0, the query at position i sees only keys
+// [i - window_left, i] (FlashInfer's `window_left`; HF's sliding_window is window_left + 1); -1
+// means no window. Keys older than the window are skipped, not just masked, where whole blocks are.
+//
 // GQA: the G = heads / kv_heads query heads of a kv head are processed together, so each K/V
 // row is read once for all of them. Math is fp32 with an online softmax over key blocks of kBlk.
 // Work is split over (request, kv split) for decode (every kv head in one task: a slot's rows
@@ -50,6 +54,7 @@ struct Args {
   const int64_t* prefix_lens;   // extend only
   const int64_t* qo_indptr;     // extend only
   int64_t bs, H, KVH, G, S;     // S: kv splits (decode)
+  int64_t window_left;          // -1: no sliding window
   float scale;
   bool q_bf16;
   float* part_o;                // [bs, H, S, D] when S > 1
@@ -118,12 +123,13 @@ inline void prefetch_row(const kv_t* row) {
 }
 
 // One key block [j0, j0 + n) for GB query vectors (qf, acc, s, m, l each start at this group):
-// scores, causal mask (key j is visible to vector g iff j <= lim[g]), online softmax, and PV.
+// scores, causal mask (key j is visible to vector g iff j <= lim[g], and j >= lo[g] when lo is not
+// null: the sliding window), online softmax, and PV.
 // K/V rows are read in place from their slots; the GB query vectors sit in registers so that
 // each K/V row is loaded once for all of them.
 template <typename kv_t, int D, int GB>
 inline void attend_group(const float* qf, float* acc, float* s, float* m, float* l, const int64_t* lim,
-                         const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
+                         const int64_t* lo, const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
                          int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next) {
   constexpr int NV = D / fvec::N;
   // scores: s[g * kBlk + t] = qf[g] . K[slot t]; meanwhile prefetch this block's V rows and the
@@ -148,6 +154,9 @@ inline void attend_group(const float* qf, float* acc, float* s, float* m, float*
   for (int g = 0; g < GB; ++g) {
     // -inf past the block's end and where causally masked (keys j > lim[g])
     for (int t = std::min<int64_t>(n, std::max<int64_t>(0, lim[g] + 1 - j0)); t < kBlk; ++t) s[g * kBlk + t] = kNegInf;
+    // -inf before the sliding window (keys j < lo[g])
+    if (lo != nullptr)
+      for (int t = 0; t < std::min<int64_t>(n, lo[g] - j0); ++t) s[g * kBlk + t] = kNegInf;
     alpha[g] = softmax_block(s + g * kBlk, m[g], l[g]);
   }
   // acc[g] = acc[g] * alpha[g] + sum_t p[g, t] * V[slot t], D split in chunks that fit registers
@@ -172,12 +181,12 @@ inline void attend_group(const float* qf, float* acc, float* s, float* m, float*
   }
 }
 
-// One key block for query vectors [0, nq), in register groups of up to 4. lim[qv] must be
-// nondecreasing in qv; groups that see none of the block are skipped. `n_next`: keys in the
+// One key block for query vectors [0, nq), in register groups of up to 4. lim[qv] (and lo[qv]) must
+// be nondecreasing in qv; groups that see none of the block are skipped. `n_next`: keys in the
 // next block (their slots follow at slots[kBlk...]), prefetched during the first group.
 template <typename kv_t, int D>
 inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m, float* l, const int64_t* lim,
-                         const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
+                         const int64_t* lo, const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
                          int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next, bool first) {
   if (first) {  // nothing prefetched this block's K rows yet
     for (int t = 0; t < n; ++t) prefetch_row<D>(k + static_cast<int64_t>(slots[t]) * k_s0 + k_off);
@@ -185,9 +194,10 @@ inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m
   int pf = n_next;  // -1: no prefetching at all
   for (int q0 = 0; q0 < nq; q0 += 4) {
     const int gb = std::min(4, nq - q0);
-    if (lim[q0 + gb - 1] < j0) continue;
+    if (lim[q0 + gb - 1] < j0 || (lo != nullptr && lo[q0] >= j0 + n)) continue;
 #define RADIXLM_GROUP(GB)                                                                           \
-  attend_group<kv_t, D, GB>(qf + q0 * D, acc + q0 * D, s + q0 * kBlk, m + q0, l + q0, lim + q0, k, v, \
+  attend_group<kv_t, D, GB>(qf + q0 * D, acc + q0 * D, s + q0 * kBlk, m + q0, l + q0, lim + q0,            \
+                            lo == nullptr ? nullptr : lo + q0, k, v,                                       \
                             slots, j0, n, k_s0, k_off, v_s0, v_off, pf)
     switch (gb) {
       case 4: RADIXLM_GROUP(4); break;
@@ -213,9 +223,10 @@ inline void stage_rows(float* dst, const kv_t* src, const int32_t* slots, int n,
 struct Scratch {
   std::vector<float> qf, acc, s, m, l, kf, vf;
   std::vector<int64_t> lim;  // last visible key index per query vector
+  std::vector<int64_t> lo;   // first visible key index per query vector (sliding window)
   std::vector<int32_t> iota;  // 0..kBlk-1: the "slots" of a staged block
   Scratch(int nq, int D)
-      : qf(nq * D), acc(nq * D), s(nq * kBlk), m(nq), l(nq), kf(kBlk * D), vf(kBlk * D), lim(nq), iota(kBlk) {
+      : qf(nq * D), acc(nq * D), s(nq * kBlk), m(nq), l(nq), kf(kBlk * D), vf(kBlk * D), lim(nq), lo(nq), iota(kBlk) {
     for (int t = 0; t < kBlk; ++t) iota[t] = t;
   }
   void reset(int nq, int D) {
@@ -239,8 +250,10 @@ void decode_kernel(const Args& a) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / a.S, sp = task % a.S;
       const int64_t L = a.seq_lens[b];
-      const int64_t chunk = (L + a.S - 1) / a.S;
-      const int64_t j_begin = std::min(L, sp * chunk), j_end = std::min(L, j_begin + chunk);
+      // keys [first, L) are visible to the one query at position L - 1; split S ways
+      const int64_t first = a.window_left >= 0 ? std::max<int64_t>(0, L - 1 - a.window_left) : 0;
+      const int64_t chunk = (L - first + a.S - 1) / a.S;
+      const int64_t j_begin = std::min(L, first + sp * chunk), j_end = std::min(L, j_begin + chunk);
       const int32_t* tok = a.table + a.rows[b] * a.table_s0;
       const auto* qb = static_cast<const char*>(a.q);
       const int64_t qsz = a.q_bf16 ? 2 : 4;
@@ -254,7 +267,7 @@ void decode_kernel(const Args& a) {
         for (int64_t kvh = 0; kvh < a.KVH; ++kvh) {
           const int64_t h0 = kvh * G;  // query heads [h0, h0 + G) read this kv head
           attend_block<kv_t, D>(G, w.qf.data() + h0 * D, w.acc.data() + h0 * D, w.s.data() + h0 * kBlk,
-                                w.m.data() + h0, w.l.data() + h0, w.lim.data() + h0, k, v, tok + j0, j0, n,
+                                w.m.data() + h0, w.l.data() + h0, w.lim.data() + h0, nullptr, k, v, tok + j0, j0, n,
                                 a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == j_begin);
         }
       }
@@ -324,18 +337,24 @@ void extend_kernel(const Args& a) {
       w.reset(nq, D);
       // keys [0, p + i0 + nr): query row r (position p + i0 + r) sees keys j <= p + i0 + r
       for (int qv = 0; qv < nq; ++qv) w.lim[qv] = p + i0 + qv / G;
+      // sliding window: row r sees keys j >= p + i0 + r - window_left; keys before row 0's window are skipped
+      const bool windowed = a.window_left >= 0;
+      for (int qv = 0; qv < nq && windowed; ++qv) w.lo[qv] = p + i0 + qv / G - a.window_left;
+      const int64_t* lo = windowed ? w.lo.data() : nullptr;
+      const int64_t k_begin = windowed ? std::max<int64_t>(0, p + i0 - a.window_left) : 0;
       const int64_t k_end = p + i0 + nr;
-      for (int64_t j0 = 0; j0 < k_end; j0 += kBlk) {
+      for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlk) {
         const int n = static_cast<int>(std::min<int64_t>(kBlk, k_end - j0));
         const int n_next = static_cast<int>(std::min<int64_t>(kBlk, std::max<int64_t>(0, k_end - j0 - kBlk)));
         if (std::is_same_v<kv_t, bf16> && nq > 8) {  // many groups: convert each bf16 row once
           stage_rows<D>(w.kf.data(), k, tok + j0, n, a.k_s0, kvh * a.k_s1);
           stage_rows<D>(w.vf.data(), v, tok + j0, n, a.v_s0, kvh * a.v_s1);
           attend_block<float, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(),
-                                 w.kf.data(), w.vf.data(), w.iota.data(), j0, n, D, 0, D, 0, -1, false);
+                                 lo, w.kf.data(), w.vf.data(), w.iota.data(), j0, n, D, 0, D, 0, -1, false);
         } else {
-          attend_block<kv_t, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(), k,
-                                v, tok + j0, j0, n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == 0);
+          attend_block<kv_t, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(), lo,
+                                k, v, tok + j0, j0, n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next,
+                                j0 == k_begin);
         }
       }
       for (int r = 0; r < nr; ++r)
@@ -401,6 +420,7 @@ Args make_args(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const 
   a.KVH = k.size(1);
   a.G = a.H / a.KVH;
   a.S = 1;
+  a.window_left = -1;
   a.scale = static_cast<float>(scale);
   a.q_bf16 = q.scalar_type() == at::kBFloat16;
   return a;
@@ -420,13 +440,16 @@ int64_t decode_num_splits(int64_t bs, int64_t max_seq_len) {
 }
 
 void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-            const at::Tensor& rows, const at::Tensor& seq_lens, double scale, int64_t num_splits) {
+            const at::Tensor& rows, const at::Tensor& seq_lens, double scale, int64_t num_splits,
+            int64_t window_left = -1) {
   Args a = make_args(out, q, k, v, table, rows, seq_lens, scale);
+  a.window_left = window_left;
   TORCH_CHECK(q.size(0) == a.bs, "decode: one query per request");
   const int D = static_cast<int>(q.size(2));
   if (a.bs == 0) return;
   const int64_t max_len = *std::max_element(a.seq_lens, a.seq_lens + a.bs);
-  a.S = num_splits > 0 ? num_splits : decode_num_splits(a.bs, max_len);
+  const int64_t max_keys = window_left >= 0 ? std::min<int64_t>(max_len, window_left + 1) : max_len;
+  a.S = num_splits > 0 ? num_splits : decode_num_splits(a.bs, max_keys);
   at::Tensor part_o, part_lse;
   if (a.S > 1) {
     part_o = at::empty({a.bs, a.H, a.S, D}, q.options().dtype(at::kFloat));
@@ -440,8 +463,9 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
 
 void extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
             const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& seq_lens,
-            const at::Tensor& qo_indptr, double scale) {
+            const at::Tensor& qo_indptr, double scale, int64_t window_left = -1) {
   Args a = make_args(out, q, k, v, table, rows, seq_lens, scale);
+  a.window_left = window_left;
   TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.is_contiguous() && prefix_lens.numel() == a.bs,
               "prefix_lens: contiguous int64 [bs]");
   TORCH_CHECK(qo_indptr.scalar_type() == at::kLong && qo_indptr.is_contiguous() && qo_indptr.numel() == a.bs + 1,

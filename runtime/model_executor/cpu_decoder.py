@@ -97,7 +97,7 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     from ..models.llama import LlamaModel
 
     inner = getattr(model, "model", None)
-    if not isinstance(inner, LlamaModel) or not len(inner.layers):
+    if not isinstance(inner, LlamaModel) or not len(inner.layers) or not inner.dense_full_attention:
         return f"{type(model).__name__} is not a Llama-family model"
     if tp_size != 1:
         return "tensor parallelism"

@@ -6,7 +6,8 @@ Layers pass the residual stream along SGLang style: each RMSNorm takes (x, resid
 norms the sum, so on CPU the add fuses into the norm (kernels/cpu_ops); the rounding equals HF's.
 
 Attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rope, RadixAttention over
-the paged KV cache, row-parallel o_proj. Checkpoint names (q/k/v_proj, gate/up_proj) are remapped
+the paged KV cache (a sliding window on the layers the config names: Mistral, Qwen2/3 with
+use_sliding_window), row-parallel o_proj. Checkpoint names (q/k/v_proj, gate/up_proj) are remapped
 onto the fused parameters in `load_weights`; `forward` is plain PyTorch.
 """
 
@@ -17,8 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.parallel_state import get_tp_size
 from ..layers.activation import SiluAndMul
 from ..layers.attention.base import RadixAttention
 from ..layers.layernorm import RMSNorm
@@ -28,6 +31,7 @@ from ..layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from ..layers.moe import MoEOptions, SparseMoeBlock
 from ..layers.rotary import RotaryEmbedding
 from ..layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ..model_executor.forward_batch import ForwardBatch
@@ -54,18 +58,34 @@ class LlamaOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False      # RMSNorm over head_dim on q and k before rope (Qwen3)
+    qk_norm_full: bool = False  # RMSNorm over the whole q and k projections instead (OLMo 2; TP=1)
+    post_norms: bool = False   # x += norm(attn(x)); x += norm(mlp(x)), no input norm (OLMo 2)
+    sandwich_norms: bool = False  # post_norms plus the input norms before attn and mlp (Gemma 3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the model dtype (Gemma)
+    moe: MoEOptions | None = None  # experts replace the MLP on moe.sparse_layers (models/moe.py)
+
+
+class GeluTanhAndMul(nn.Module):
+    """x: [..., 2*d] laid out [gate | up]; gelu(gate, tanh approximation) * up (GeGLU, Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, bias: bool):
         super().__init__()
-        act = config.hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"Unsupported hidden_act {act!r}; only 'silu' is supported")
+        self.act = config.hidden_act
+        if self.act not in GATED_ACTIVATIONS:
+            raise ModelLoadError(f"Unsupported hidden_act {self.act!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GATED_ACTIVATIONS[self.act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -79,16 +99,24 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads,
                                           bias=options.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=options.o_bias)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if options.qk_norm else None
+        if options.qk_norm_full and get_tp_size() > 1:
+            raise ModelLoadError("q/k norm over the whole projection (OLMo 2) needs tensor parallel size 1")
+        self.qk_norm_full = options.qk_norm_full
+        q_dim, k_dim = (self.qkv_proj.q_size, self.qkv_proj.kv_size) if options.qk_norm_full else (head_dim, head_dim)
+        has_norm = options.qk_norm or options.qk_norm_full
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if has_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
-                                   scaling=head_dim**-0.5)
+                                   scaling=(config.query_pre_attn_scalar or head_dim) ** -0.5,
+                                   sliding_window_size=config.sliding_window_size(layer_id))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         # hidden: [n, hidden]; q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        if self.q_norm is not None:
+        if self.qk_norm_full:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        elif self.q_norm is not None:
             q = self._norm_per_head(q, self.q_norm)
             k = self._norm_per_head(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
@@ -102,14 +130,27 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, options: LlamaOptions, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(config, options, layer_id, rotary_emb)
-        self.mlp = LlamaMLP(config, options.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = options.moe
+        self.mlp = (SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                   moe.renormalize, moe.shared_intermediate_size)
+                    if moe is not None and layer_id in moe.sparse_layers else LlamaMLP(config, options.mlp_bias))
+        self.post_norms = options.post_norms or options.sandwich_norms
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = None if options.post_norms else norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if options.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if self.post_norms else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it): the next layer adds them. May overwrite
         `hidden` and `residual` in place (the fused norm)."""
+        if self.post_norms:
+            x = hidden if residual is None else hidden + residual   # the residual stream
+            h = x if self.input_layernorm is None else self.input_layernorm(x)
+            x = x + self.post_attention_layernorm(self.self_attn(positions, h, fb))
+            h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+            return self.post_feedforward_layernorm(self.mlp(h)), x
         if residual is None:                       # first layer: the residual stream is the embedding
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -124,14 +165,29 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: LlamaOptions):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size ** 0.5 if options.embed_scale else None
         rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling)
+        # Gemma 3: the sliding-window layers have their own (plain) rope base
+        local = (RotaryEmbedding(config.head_dim, config.context_len, config.local_rope_theta)
+                 if config.local_rope_theta is not None else rotary_emb)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, i, rotary_emb) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, options, i, local if i in config.sliding_window_layers else rotary_emb)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def dense_full_attention(self) -> bool:
+        """Every layer is the plain pre-norm layer with full attention, a dense MLP and at most a
+        per-head q/k norm: what the one-call CPU decoder runs."""
+        return all(layer.self_attn.attn.sliding_window_size < 0 and isinstance(layer.mlp, LlamaMLP)
+                   and layer.mlp.act == "silu" and not layer.post_norms and not layer.self_attn.qk_norm_full
+                   and self.embed_scale is None for layer in self.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, fb, residual)
         if residual is None:                       # no layers
@@ -159,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors into the (fused, sharded) parameters.

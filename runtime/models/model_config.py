@@ -5,7 +5,8 @@ A .gguf file path is accepted too: its metadata is converted once into a cached 
 
 Accepts both config.json forms: transformers 5 (`rope_parameters`, `dtype`) and the older one
 (top-level `rope_theta`, `rope_scaling`, `torch_dtype`). Every problem a user can cause (bad path,
-unsupported architecture or rope, too long a context) raises `ModelLoadError` with a plain message.
+unsupported architecture or rope, too long a context) raises `ModelLoadError` with a plain message;
+so does any config.json value the runtime does not implement (see config_fields.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from ..layers.moe import MoEOptions
 from ..layers.rotary import SUPPORTED_ROPE_TYPES
+from .config_fields import moe_options, sliding_layers, unsupported_reason
 from .registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,13 @@ class ModelConfig:
     mlp_bias: bool
     hf_config: dict = field(repr=False)
     gguf_file: str | None = None   # weights come from this GGUF file instead of safetensors in `path`
+    sliding_window: int | None = None         # HF's: keys a query sees, itself included, on the layers below
+    sliding_window_layers: tuple[int, ...] = ()
+    moe: MoEOptions | None = None             # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral)
+    hidden_act: str = "silu"                  # the MLP's gated activation
+    local_rope_theta: float | None = None     # Gemma 3: rope base of the sliding-window layers
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
+    final_logit_softcapping: float | None = None  # logits = tanh(logits / cap) * cap
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
@@ -75,6 +85,9 @@ class ModelConfig:
         if hf is None:
             raise ModelLoadError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
         arch = _check_architecture(hf)
+        reason = unsupported_reason(arch, hf)
+        if reason is not None:
+            raise ModelLoadError(f"{reason} ({str(folder / 'config.json')!r})")
         try:
             config = ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length, device)
         except KeyError as err:
@@ -105,10 +118,25 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch == "Qwen2MoeForCausalLM"))),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hf_config=hf,
+            sliding_window=int(hf["sliding_window"]) if sliding_layers(arch, hf) else None,
+            sliding_window_layers=tuple(sliding_layers(arch, hf)),
+            moe=moe_options(arch, hf),
+            hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
+            local_rope_theta=_local_rope_theta(hf),
+            query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None),
+            final_logit_softcapping=(float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
+                                     else None),
         )
+
+    def sliding_window_size(self, layer_id: int) -> int:
+        """The layer's window as FlashInfer's `window_left` (a query at position i sees keys
+        [i - window_left, i]); -1 for full attention."""
+        if self.sliding_window is None or layer_id not in self.sliding_window_layers:
+            return -1
+        return self.sliding_window - 1
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each TP rank stores (kv heads are replicated when tp_size > num_kv_heads)."""
@@ -177,6 +205,8 @@ def _check_architecture(hf: dict) -> str:
 def _rope_settings(hf: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from `rope_parameters` or `rope_theta`/`rope_scaling`."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "full_attention" in params:       # per layer type (Gemma 3): these are the full-attention layers'
+        params = dict(params["full_attention"])
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -185,6 +215,17 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
         return theta, None
     params["rope_type"] = rope_type
     return theta, params
+
+
+def _local_rope_theta(hf: dict) -> float | None:
+    """Gemma 3's rope base for sliding layers: rope_parameters["sliding_attention"] (transformers 5)
+    or rope_local_base_freq (transformers 4); None when the layers share one rope."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"Unsupported rope_type {local.get('rope_type')!r} for the sliding layers")
+        return float(local.get("rope_theta", 10000.0))
+    return float(hf["rope_local_base_freq"]) if hf.get("rope_local_base_freq") else None
 
 
 def _context_len(context_length: int | None, max_pos: int) -> int:

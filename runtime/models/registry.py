@@ -12,6 +12,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("radixlm.runtime.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("radixlm.runtime.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("radixlm.runtime.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("radixlm.runtime.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("radixlm.runtime.models.moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("radixlm.runtime.models.moe", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("radixlm.runtime.models.phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("radixlm.runtime.models.olmo2", "Olmo2ForCausalLM"),
+    "Gemma3ForCausalLM": ("radixlm.runtime.models.gemma3", "Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

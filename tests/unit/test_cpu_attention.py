@@ -201,3 +201,51 @@ def test_compiled_forward_keeps_kernel_in_graph():
     backend.init_forward_metadata(fb)
     compiled = torch.compile(lambda x: backend.forward_decode(x, layer, fb), fullgraph=True, dynamic=False)
     check(fb, q, layer, compiled(q))
+
+
+# ----------------------------------------------------------------- sliding window
+def literal_window_attention(fb: ForwardBatch, q: torch.Tensor, layer: RadixAttention) -> torch.Tensor:
+    """Per request, per query, in fp32: keys [pos - window, pos] (all of [0, pos] when window < 0)."""
+    k_buf, v_buf = fb.kv_cache.k_buffer[0].float(), fb.kv_cache.v_buffer[0].float()
+    group = layer.num_heads // layer.num_kv_heads
+    out, t = torch.zeros(q.shape), 0
+    for b, (p, s) in enumerate(zip(fb.prefix_lens_cpu, fb.seq_lens_cpu)):
+        slots = fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[b]), :s].long()
+        k = k_buf[slots].repeat_interleave(group, dim=1)                 # [s, heads, D]
+        v = v_buf[slots].repeat_interleave(group, dim=1)
+        for pos in range(p, s):
+            lo = 0 if layer.sliding_window_size < 0 else max(0, pos - layer.sliding_window_size)
+            scores = torch.einsum("hd,khd->hk", q[t].float(), k[lo:pos + 1]) * layer.scaling
+            out[t] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v[lo:pos + 1])
+            t += 1
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 1, 31, 47, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_sliding_window_matches_reference(window, dtype, mode):
+    """Kernel vs the torch path, and the torch path vs a literal loop, with keys older than the
+    window excluded; lengths straddle the window and the kernel's 32-key blocks."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    lens = (EXTEND_LENS + [(90, 200), (0, 130)] if mode == ForwardMode.EXTEND
+            else [(s - 1, s) for s in (1, 5, 32, 33, 48, 49, 50, 101, 257)])
+    fb, q = make_batch(lens, 16, heads, kv_heads, head_dim, dtype, seed=window + 11, mode=mode)
+    layer = RadixAttention(0, heads, kv_heads, head_dim, 0.125, sliding_window_size=window)
+    check(fb, q, layer, run(fb, q, layer, kernel_backend()))
+    full = RadixAttention(0, heads, kv_heads, head_dim, 0.125)
+    ref = reference(fb, q, layer)
+    torch.testing.assert_close(ref, literal_window_attention(fb, q, layer), atol=2e-5, rtol=2e-5)
+    assert (ref - reference(fb, q, full)).abs().max() > 1e-3     # the window did change the result
+
+
+@pytest.mark.parametrize("num_splits", [2, 7])
+def test_sliding_window_decode_split_kv(num_splits):
+    heads, kv_heads, head_dim, window = 8, 2, 64, 47
+    lens = [(s - 1, s) for s in (1, 30, 48, 300, 1500)]
+    fb, q = make_batch(lens, 16, heads, kv_heads, head_dim, torch.float32, seed=num_splits, mode=ForwardMode.DECODE)
+    layer = RadixAttention(0, heads, kv_heads, head_dim, 0.3, sliding_window_size=window)
+    out = torch.empty_like(q)
+    KERNELS.decode(out, q, fb.kv_cache.k_buffer[0], fb.kv_cache.v_buffer[0], fb.req_to_token_pool.req_to_token,
+                   fb.req_pool_indices, fb.seq_lens, layer.scaling, num_splits, window)
+    check(fb, q, layer, out)

@@ -209,7 +209,8 @@ class StandInWrapper:
         self.plans: list[dict] = []
 
     def plan(self, *args, causal: bool = False, sm_scale: float | None = None,
-             q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None) -> None:
+             q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None,
+             window_left: int = -1) -> None:
         if self.decode:
             kv_indptr, kv_indices, last, heads, kv_heads, head_dim, page_size = args
             qo_indptr = torch.arange(last.numel() + 1, dtype=torch.int32)
@@ -220,7 +221,7 @@ class StandInWrapper:
         self.plans.append(dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, last=last,
                                heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
                                causal=causal or self.decode, sm_scale=sm_scale, q_dtype=q_data_type,
-                               kv_dtype=kv_data_type))
+                               kv_dtype=kv_data_type, window_left=window_left))
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         plan = self.plans[-1]
@@ -229,7 +230,8 @@ class StandInWrapper:
         assert q.shape == (int(plan["qo_indptr"][-1]), plan["heads"], plan["head_dim"])
         assert q.dtype == plan["q_dtype"] and k_pages.dtype == plan["kv_dtype"]
         return paged_attention_ref(q, k_pages, v_pages, plan["qo_indptr"], plan["kv_indptr"],
-                                   plan["kv_indices"], plan["last"], plan["sm_scale"], plan["causal"])
+                                   plan["kv_indices"], plan["last"], plan["sm_scale"], plan["causal"],
+                                   plan["window_left"])
 
 
 @pytest.mark.skipif(not HAS_TORCH_NATIVE, reason="torch_native backend not written yet")
@@ -245,12 +247,18 @@ def test_flashinfer_backend_glue_with_stand_in(page_size: int, mode: ForwardMode
     backend = FlashInferAttnBackend.__new__(FlashInferAttnBackend)
     backend._init_state(heads, kv_heads, head_dim, page_size, "cpu", torch.float32, None)
     backend.prefill_wrapper, backend.decode_wrapper = StandInWrapper(False), StandInWrapper(True)
+    backend._new_prefill_wrapper = lambda: StandInWrapper(False)
+    backend._new_decode_wrapper = lambda buffers=None: StandInWrapper(True)
     native = create_backend("torch_native")
     layers = [RadixAttention(0, heads, kv_heads, head_dim, head_dim ** -0.5),
-              RadixAttention(1, heads, kv_heads, head_dim, 0.3)]        # 0.3: q is rescaled
+              RadixAttention(1, heads, kv_heads, head_dim, 0.3),         # 0.3: q is rescaled
+              RadixAttention(0, heads, kv_heads, head_dim, 0.3, sliding_window_size=9)]
     backend.init_forward_metadata(fb)
     fb.attn_backend = backend
     outs = [layer(q, k, v, fb) for layer in layers]
+    # the windowed layer ran its own wrapper, planned once with window_left=9 (found at first use)
+    windowed = backend.window_wrappers[9][1 if mode.is_decode else 0]
+    assert [p["window_left"] for p in windowed.plans] == [9]
     used, unused = ((backend.decode_wrapper, backend.prefill_wrapper) if mode.is_decode
                     else (backend.prefill_wrapper, backend.decode_wrapper))
     assert len(used.plans) == 1 and not unused.plans                     # planned once per pass

@@ -3,7 +3,8 @@
 A model's attention module computes q, k, v for the batch's new tokens and calls
 `RadixAttention.forward(q, k, v, forward_batch)`. The layer writes k and v into the paged KV
 cache at `forward_batch.out_cache_loc`, then the backend attends each request's new queries over
-its whole KV (`req_to_token[row, :seq_len]`), causally within the new tokens.
+its whole KV (`req_to_token[row, :seq_len]`), causally within the new tokens; a layer with a
+`sliding_window_size` sees only the keys of that window. The full KV stays in the cache either way.
 
 Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
 output [num_tokens, num_heads, head_dim]. Heads here are this TP rank's heads.
@@ -45,13 +46,17 @@ class AttentionBackend(ABC):
 class RadixAttention(nn.Module):
     """Attention over the paged KV cache; holds no weights."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 sliding_window_size: int = -1):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        # >= 0: the query at position i sees only keys [i - sliding_window_size, i] (FlashInfer's
+        # window_left, SGLang's name; HF's sliding_window is this + 1); -1: full causal attention
+        self.sliding_window_size = sliding_window_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)

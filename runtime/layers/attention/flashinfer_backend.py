@@ -28,6 +28,11 @@ FlashInfer API facts used here (from its docs and source; no code copied):
 - Both wrappers take `backend=`: "auto" picks FA3 for paged prefill on SM90 (three JIT modules per
   dtype); we pin "fa2", as SGLang does (FlashInfer issue 1340: FA3 paged was slower there).
 - The float workspace "must be initialized to 0 for its first use" (the wrappers' docstring).
+- Sliding windows: both `plan`s take `window_left=` (-1: none; else a query at position i sees
+  keys [i - window_left, i]); it selects a kernel variant at plan time, so each window gets its own
+  wrapper pair (as SGLang keeps one wrapper per window kind), planned with the same metadata and
+  run by the layers whose `sliding_window_size` it is. Windows are known from the constructor's
+  `sliding_window_sizes` or found at the first layer that uses one (outside a CUDA-graph capture).
 - CUDA graphs: `BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
   use_tensor_cores=..., paged_kv_indptr_buffer=[bs + 1], paged_kv_indices_buffer=[max pages],
   paged_kv_last_page_len_buffer=[bs], backend=...)` has a fixed batch size; its `plan()` copies
@@ -79,7 +84,8 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device: torch.device | str, dtype: torch.dtype,
-                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, sm_scale: float | None = None):
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, sm_scale: float | None = None,
+                 sliding_window_sizes: tuple[int, ...] = ()):
         reason = flashinfer_unsupported_reason(head_dim, dtype)
         if reason:
             raise ValueError(f"The flashinfer attention backend cannot run this model: {reason}; "
@@ -95,10 +101,22 @@ class FlashInferAttnBackend(AttentionBackend):
         self._init_state(num_heads, num_kv_heads, head_dim, page_size, device, dtype, sm_scale)
         self._flashinfer = flashinfer
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND)
+        self.prefill_wrapper = self._new_prefill_wrapper()
         self.decode_wrapper = self._new_decode_wrapper()
         self._pass_decode_wrapper = self.decode_wrapper
+        for window in sliding_window_sizes:
+            if window >= 0:
+                self._add_window(window)
+
+    def _new_prefill_wrapper(self):
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                    backend=FLASHINFER_KERNEL_BACKEND)
+
+    def _add_window(self, window: int) -> None:
+        """Eager wrappers for a sliding window (and a twin for every CUDA-graph decode wrapper)."""
+        self.window_wrappers[window] = (self._new_prefill_wrapper(), self._new_decode_wrapper())
+        for main, twins in self._graph_twins.values():
+            twins[window] = self._new_decode_wrapper(self._graph_buffers[id(main)])
 
     def _new_decode_wrapper(self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """A decode wrapper on the shared workspace; with `graph_buffers` (indptr [bs + 1], indices,
@@ -121,6 +139,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self.dtype = dtype
         self.sm_scale = sm_scale if sm_scale is not None else head_dim ** -0.5
         self._pass_decode_wrapper = None     # the decode wrapper the last plan_decode planned
+        self.window_wrappers: dict[int, tuple[object, object]] = {}   # window_left -> (prefill, decode)
+        self._pass_window_decode: dict[int, object] = {}     # window_left -> decode wrapper planned this pass
+        self._graph_twins: dict[int, tuple[object, dict[int, object]]] = {}  # id(graph wrapper) -> (it, twins)
+        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._kv_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ once per pass
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -131,33 +154,76 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_dtype = fb.kv_cache.dtype
         meta = build_paged_meta_host(table, fb.req_pool_indices, fb.prefix_lens_cpu, fb.seq_lens_cpu,
                                      self.page_size)
+        self._kv_dtype = kv_dtype
         if fb.forward_mode.is_decode:
             self.plan_decode(self.decode_wrapper, meta, kv_dtype)
         else:
-            self.prefill_wrapper.plan(
-                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
+            self._plan_prefill(self.prefill_wrapper, meta, kv_dtype, -1)
+            for window, (prefill, _) in self.window_wrappers.items():
+                self._plan_prefill(prefill, meta, kv_dtype, window)
         fb.attn_metadata = meta
+
+    def _plan_prefill(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype, window: int) -> None:
+        kwargs = {"window_left": window} if window >= 0 else {}
+        wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype, **kwargs)
+
+    def _plan_one_decode(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype, window: int) -> None:
+        kwargs = {"window_left": window} if window >= 0 else {}
+        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype, **kwargs)
 
     def plan_decode(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype) -> None:
         """Plans `wrapper` (the eager decode wrapper, or a CUDA-graph one whose batch size is
-        `meta.batch_size`) and makes it the one the next decode layers run. Never inside a capture."""
-        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                     sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype)
+        `meta.batch_size`) and makes it the one the next decode layers run; the sliding-window
+        twins of that wrapper are planned alongside. Never inside a capture."""
+        self._plan_one_decode(wrapper, meta, kv_dtype, -1)
         self._pass_decode_wrapper = wrapper
+        twins = (self._graph_twins[id(wrapper)][1] if id(wrapper) in self._graph_twins
+                 else {w: decode for w, (_, decode) in self.window_wrappers.items()})
+        for window, twin in twins.items():
+            self._plan_one_decode(twin, meta, kv_dtype, window)
+        self._pass_window_decode = dict(twins)
 
     def new_graph_decode_wrapper(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor):
-        """A CUDA-graph decode wrapper of batch size `last_page_len.numel()` over these fixed buffers."""
-        return self._new_decode_wrapper((indptr, indices, last_page_len))
+        """A CUDA-graph decode wrapper of batch size `last_page_len.numel()` over these fixed buffers
+        (with a twin over the same buffers for each sliding window; plan_decode plans them together)."""
+        buffers = (indptr, indices, last_page_len)
+        wrapper = self._new_decode_wrapper(buffers)
+        self._graph_buffers[id(wrapper)] = buffers
+        self._graph_twins[id(wrapper)] = (wrapper, {w: self._new_decode_wrapper(buffers) for w in self.window_wrappers})
+        return wrapper
 
     # ------------------------------------------------------------ per layer
     def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self._run(self.prefill_wrapper, q, layer, fb)
+        window = layer.sliding_window_size
+        if window < 0:
+            return self._run(self.prefill_wrapper, q, layer, fb)
+        if window not in self.window_wrappers:              # first sight of this window: plan it now
+            self._first_window(window)
+            self._plan_prefill(self.window_wrappers[window][0], fb.attn_metadata, self._kv_dtype, window)
+        return self._run(self.window_wrappers[window][0], q, layer, fb)
 
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self._run(self._pass_decode_wrapper, q, layer, fb)
+        window = layer.sliding_window_size
+        if window < 0:
+            return self._run(self._pass_decode_wrapper, q, layer, fb)
+        if window not in self._pass_window_decode:
+            if id(self._pass_decode_wrapper) in self._graph_twins:
+                raise RuntimeError(f"sliding window {window} was not known when the CUDA graphs were made; "
+                                   "pass sliding_window_sizes to the backend or --disable-cuda-graph")
+            self._first_window(window)
+            decode = self.window_wrappers[window][1]
+            self._plan_one_decode(decode, fb.attn_metadata, self._kv_dtype, window)
+            self._pass_window_decode[window] = decode
+        return self._run(self._pass_window_decode[window], q, layer, fb)
+
+    def _first_window(self, window: int) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"sliding window {window} first seen inside a CUDA-graph capture")
+        self._add_window(window)
 
     def _run(self, wrapper, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: same shape, in self.dtype

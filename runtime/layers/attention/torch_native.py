@@ -12,7 +12,9 @@ boolean mask. Each layer then gathers K/V for the group in one indexing op and r
 `scaled_dot_product_attention` call. No Python loop over requests inside a layer.
 
 Causality: the i-th new token of a request sits at position prefix_len + i and may attend to
-KV positions j <= prefix_len + i (and j < seq_len).
+KV positions j <= prefix_len + i (and j < seq_len). A layer with `sliding_window_size` w >= 0 also
+needs j >= prefix_len + i - w (the kernels take it as `window_left`; the torch code ANDs it into
+the group's mask, built once per pass per window).
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ class _Group:
     max_q: int
     kv_slots: torch.Tensor     # [bs, max_kv] KV slot per (request, position); 0 where padded
     mask: torch.Tensor         # [bs, 1, max_q, max_kv] True = attend
+    q_pos: torch.Tensor        # [bs, 1, max_q, 1] position of each query (prefix_len + i)
+    window_masks: dict[int, torch.Tensor]  # sliding_window_size -> mask & the window, built on first use
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The mask for a layer with this sliding_window_size (-1: the causal mask itself)."""
+        if window < 0:
+            return self.mask
+        if window not in self.window_masks:
+            j = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.window_masks[window] = self.mask & (j >= self.q_pos - window)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -103,7 +116,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_slots = torch.where(valid_kv, kv_slots, torch.zeros_like(kv_slots))
         causal = j[None, None, :] <= (prefix_t[:, None, None] + i[None, :, None])  # [bs, max_q, max_kv]
         mask = (causal & valid_kv[:, None, :]).unsqueeze(1)
-        return _Group(token_rows, q_slot, bs, max_q, kv_slots, mask)
+        q_pos = (prefix_t[:, None] + i[None, :]).view(bs, 1, max_q, 1)
+        return _Group(token_rows, q_slot, bs, max_q, kv_slots, mask, q_pos, {})
 
     def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         return self._attend(q, layer, fb)
@@ -143,11 +157,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         ops = torch.ops.radixlm if torch.compiler.is_compiling() else None
         if meta.all_decode:
             fn = ops.cpu_paged_decode if ops else self.kernels.decode
-            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0)
+            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0,
+               layer.sliding_window_size)
         else:
             fn = ops.cpu_paged_extend if ops else self.kernels.extend
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens, meta.seq_lens,
-               meta.qo_indptr, layer.scaling)
+               meta.qo_indptr, layer.scaling, layer.sliding_window_size)
         return out
 
     def _attend_torch(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
@@ -163,7 +178,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             qg = qg.view(g.bs, g.max_q, H, D).transpose(1, 2)                 # [bs, H, max_q, D]
             k = k_buf[g.kv_slots].transpose(1, 2).to(q.dtype)                 # [bs, KVH, max_kv, D]
             v = v_buf[g.kv_slots].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=layer.scaling,
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask_for(layer.sliding_window_size),
+                                               scale=layer.scaling,
                                                enable_gqa=layer.num_heads != layer.num_kv_heads)
             o = o.transpose(1, 2).reshape(g.bs * g.max_q, H, D)
             out[g.token_rows] = o[g.q_slot]
@@ -179,6 +195,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k = k_buf[g.kv_slots].to(q.dtype).permute(0, 2, 3, 1)                  # [bs, KVH, D, L]
         v = v_buf[g.kv_slots].to(q.dtype).transpose(1, 2)                       # [bs, KVH, L, D]
         scores = torch.matmul(qg, k).float() * layer.scaling                    # [bs, KVH, G, L]
-        scores.masked_fill_(~g.mask[:, :, 0, :].unsqueeze(2), float("-inf"))
+        mask = g.mask_for(layer.sliding_window_size)
+        scores.masked_fill_(~mask[:, :, 0, :].unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, v).reshape(bs, H, D)

@@ -1,0 +1,109 @@
+"""Mixture-of-experts MLP: a router picks top-k experts per token; experts run as grouped matmuls.
+
+    logits = router(x)                       # [n, E]
+    p = softmax(logits, fp32); w, ids = topk(p, k); w /= sum(w) if renormalize
+    y[t] = sum_j w[t, j] * expert[ids[t, j]](x[t])       (+ sigmoid(shared_gate(x)) * shared(x))
+
+Grouped execution: the n*k (token, expert) pairs are sorted by expert; each expert that got tokens
+runs once, as one matmul over the rows routed to it (its gate_up, SiLU*mul, down), and its rows are
+scaled by their routing weights and scatter-added back (`index_add_`). The loop is over experts that
+got tokens, never over tokens. Each expert is a `LlamaMLP`-shaped pair of parallel linear layers, so
+`pack_linear_weights` packs expert weights like the dense ones and TP splits every expert's
+intermediate size; the down projections skip their all-reduce and the summed output is reduced once.
+The per-expert counts are read on the host (a sync on CUDA), so MoE layers refuse CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..distributed.parallel_state import get_tp_size, tp_all_reduce
+from .activation import SiluAndMul
+from .linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """What a model's config says about its experts (see runtime/models/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int            # per expert
+    renormalize: bool                 # divide the top-k weights by their sum
+    shared_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    sparse_layers: tuple[int, ...] = ()
+
+
+class ExpertMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); `reduce_results=False` leaves the TP all-reduce to the caller."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def _replicated(in_features: int, out_features: int) -> nn.Linear:
+    """A small weight every rank holds whole (the router, the shared-expert gate)."""
+    layer = nn.Linear(in_features, out_features, bias=False)
+    layer.weight.requires_grad_(False)
+    layer.weight.weight_loader = default_weight_loader
+    return layer
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [n, k] fp32, expert ids [n, k]): softmax in fp32, top-k, optionally renormalized."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP of one decoder layer. Checkpoint names: `gate` (router), `experts.{e}.gate_proj /
+    up_proj / down_proj`, and for Qwen2-MoE `shared_expert.*` and `shared_expert_gate`."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, shared_intermediate_size: int = 0):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = _replicated(hidden_size, num_experts)
+        self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size, reduce_results=False)
+                                     for _ in range(num_experts))
+        self.shared_expert = (ExpertMLP(hidden_size, shared_intermediate_size, reduce_results=False)
+                              if shared_intermediate_size else None)
+        self.shared_expert_gate = _replicated(hidden_size, 1) if shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden] -> [n, hidden]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MoE layers read per-expert token counts on the host and cannot be captured "
+                               "in a CUDA graph; serve MoE models with --disable-cuda-graph")
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = torch.zeros_like(x)
+        flat_ids = ids.flatten()                                       # [n*k], pair p is token p // k
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k                                 # [n*k] token of each sorted pair
+        pair_weight = weights.flatten()[order]
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            # region: sorted pairs [start, start + count) are the rows routed to expert e
+            rows = token_of[start:start + count]
+            y = self.experts[e](x[rows])
+            out.index_add_(0, rows, (y.float() * pair_weight[start:start + count, None]).to(x.dtype))
+            start += count
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x).float())
+            out += (self.shared_expert(x).float() * gate).to(x.dtype)
+        return tp_all_reduce(out) if get_tp_size() > 1 else out

@@ -1,0 +1,72 @@
+"""OLMo 2 against HF transformers fp32: post-attention / post-MLP norms and the q/k RMSNorm over the
+whole projection. Logits for batched prefill, prefix extend and decode (kernels on and off), and
+greedy tokens for a prompt whose prefix comes from shared KV slots (a radix-cache hit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models_vs_hf import PagedRunner, random_prompts
+
+from radixlm.runtime.models.model_config import ModelConfig
+from radixlm.runtime.models.weight_loader import load_model
+
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    config = Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=500, max_position_embeddings=256, initializer_range=0.1,
+                         tie_word_embeddings=False, eos_token_id=2, bos_token_id=0, pad_token_id=1)
+    folder = tmp_path_factory.mktemp("olmo2")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, p in hf.named_parameters():              # norms away from 1, so a misplaced norm shows
+        if "norm" in name:
+            p.data.uniform_(0.5, 1.5)
+    hf.save_pretrained(str(folder))
+    ours = ModelConfig.from_path(str(folder))
+    return ours, load_model(ours, "cpu", show_progress=False), hf.eval()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_olmo2_matches_hf(olmo2, use_kernels: bool) -> None:
+    config, model, hf = olmo2
+    assert not model.model.dense_full_attention        # the one-call CPU decoder stays off
+    runner = PagedRunner(model, config, page_size=16, num_pages=64)
+    if not use_kernels:
+        runner.backend.kernels = None
+    prompts = random_prompts(config.vocab_size, [37, 5, 20], seed=1)
+    logits, start = runner.extend([0, 1, 2], [0, 0, 0], prompts), 0
+    for ids in prompts:
+        assert (logits[start:start + len(ids)] - hf_logits(hf, ids)).abs().max().item() <= TOL
+        start += len(ids)
+    # region table for request 3: [0, 18) prefill | [18, 26) extend over the cached prefix | [26, 30) decodes
+    (ids,) = random_prompts(config.vocab_size, [30], seed=2)
+    parts = [runner.extend([3], [0], [ids[:18]]), runner.extend([3], [18], [ids[18:26]])]
+    parts += [runner.extend([3], [p], [[ids[p]]]) for p in range(26, 30)]
+    assert (torch.cat(parts) - hf_logits(hf, ids)).abs().max().item() <= TOL
+
+
+def test_olmo2_greedy_from_shared_prefix(olmo2) -> None:
+    config, model, hf = olmo2
+    shared, tail_a, tail_b = random_prompts(config.vocab_size, [32, 10, 14], seed=3)
+    runner = PagedRunner(model, config, page_size=16, num_pages=64)
+    runner.extend([0], [0], [shared + tail_a])
+    runner.pool.req_to_token[1, :32] = runner.pool.req_to_token[0, :32]
+    b = shared + tail_b
+    ours = [int(runner.extend([1], [32], [tail_b])[-1].argmax())]
+    want = list(b)
+    want.append(int(hf_logits(hf, want)[-1].argmax()))
+    for _ in range(5):
+        ours.append(int(runner.extend([1], [len(b) + len(ours) - 1], [[ours[-1]]])[-1].argmax()))
+        want.append(int(hf_logits(hf, want)[-1].argmax()))
+    assert ours == want[len(b):]
