@@ -66,9 +66,16 @@ class ModelRunner:
         self._init_memory()
         self.attn_backend = create_backend(
             self._pick_backend(), num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
-            head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype)
+            head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype,
+            sliding_window_sizes=self._window_sizes())
         self.decode_forward = self._pick_decode_forward()
         self.graph_runner = self._make_graph_runner()
+
+    def _window_sizes(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the layers (FlashInfer plans one wrapper pair per window
+        up front, so CUDA-graph capture finds them)."""
+        cfg = self.model_config
+        return tuple(sorted({w for w in (cfg.sliding_window_size(i) for i in range(cfg.num_layers)) if w >= 0}))
 
     def _pick_decode_forward(self) -> CompiledDecode | CpuDecoder:
         """torch.compile when asked for; on CPU the one-call C++ decoder where it applies; else eager."""
@@ -84,9 +91,13 @@ class ModelRunner:
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         """CUDA graphs for decode: on CUDA with FlashInfer, unless --disable-cuda-graph or
-        --enable-torch-compile. Captures every bucket now (logged)."""
+        --enable-torch-compile, or for mixture-of-experts models (their layers read per-expert counts on
+        the host, which a graph cannot capture). Captures every bucket now (logged)."""
         args = self.server_args
         if self.device.type != "cuda" or args.disable_cuda_graph or args.enable_torch_compile:
+            return None
+        if self.model_config.moe is not None:
+            logger.info("CUDA graphs off: mixture-of-experts layers read per-expert counts on the host")
             return None
         from ..layers.attention.flashinfer_backend import FlashInferAttnBackend
 
