@@ -14,9 +14,12 @@ process environment through runtime/env.py (the launcher sets them in every chil
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -117,14 +120,36 @@ def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], h
         from torch.utils.cpp_extension import load
 
         include_dirs = sorted({str(p.parent) for p in headers})
-        mod = load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                   extra_include_paths=include_dirs, build_directory=str(folder), verbose=False)
+        with build_lock(folder):
+            mod = load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       extra_include_paths=include_dirs, build_directory=str(folder), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back to torch code
         return _unavailable(f"{what} failed to build ({type(e).__name__}: "
                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''})")
     if fresh:
         logger.info("%s (%s) built in %.1f s", what, isa, time.perf_counter() - t0)
     return mod
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """Holds an OS file lock (flock) on `folder` for one build-or-load.
+
+    torch's loader guards a build with a `lock` file that it waits on forever, and a process killed
+    mid-build (a stopped test run, a killed server) leaves that file behind, so every later process
+    hung. The flock is released by the kernel when its holder dies; every radixlm process takes it
+    before loading, so a `lock` file found while holding it is stale and is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "radixlm.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("Removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _unavailable(problem: str) -> None:
