@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import numpy as np
@@ -54,11 +53,9 @@ def best_ms(fn, iters: int, repeats: int) -> float:
 
 
 def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
+    from radixlm.kernels.cpu_build import cpu_model_name
+
+    return cpu_model_name()
 
 
 def main() -> None:

@@ -19,14 +19,9 @@ from radixlm.testing.server import descendant_pids
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from radixlm.kernels.cpu_build import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def machine_info() -> dict[str, Any]:

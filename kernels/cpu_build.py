@@ -43,15 +43,20 @@ def kernels_disabled() -> bool:
     return env.DISABLE_CPU_KERNELS.get()
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo_field(key: str) -> str | None:
+    """The first /proc/cpuinfo line's value for `key` ("flags", "model name"), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def pick_isa(flags: set[str] | None = None) -> str | None:
@@ -71,14 +76,7 @@ def kernel_cache_root() -> Path:
 
 def cpu_model_name() -> str:
     """/proc/cpuinfo's "model name" (e.g. "AMD EPYC"), or "unknown"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    return cpuinfo_field("model name") or "unknown"
 
 
 def build_dir(kind: str, isa: str, hashed_files: list[Path], flags: list[str]) -> Path:
