@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models_vs_hf import PagedRunner, random_prompts
+from test_models_vs_hf import PagedRunner, assert_prefill_extend_decode_match_hf, hf_logits, random_prompts
 
 from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.weight_loader import load_model
@@ -40,11 +40,6 @@ def gemma3(tmp_path_factory):
     return ours, load_model(ours, "cpu", show_progress=False), hf.eval()
 
 
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_gemma3_matches_hf(gemma3, use_kernels: bool) -> None:
     config, model, hf = gemma3
@@ -52,16 +47,7 @@ def test_gemma3_matches_hf(gemma3, use_kernels: bool) -> None:
     runner = PagedRunner(model, config, page_size=16, num_pages=64)
     if not use_kernels:
         runner.backend.kernels = None
-    prompts = random_prompts(config.vocab_size, [37, 5, 20], seed=1)
-    logits, start = runner.extend([0, 1, 2], [0, 0, 0], prompts), 0
-    for ids in prompts:
-        assert (logits[start:start + len(ids)] - hf_logits(hf, ids)).abs().max().item() <= TOL
-        start += len(ids)
-    # region table for request 3: [0, 18) prefill | [18, 26) extend over the cached prefix | [26, 30) decodes
-    (ids,) = random_prompts(config.vocab_size, [30], seed=2)
-    parts = [runner.extend([3], [0], [ids[:18]]), runner.extend([3], [18], [ids[18:26]])]
-    parts += [runner.extend([3], [p], [[ids[p]]]) for p in range(26, 30)]
-    assert (torch.cat(parts) - hf_logits(hf, ids)).abs().max().item() <= TOL
+    assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size, TOL)
 
 
 def test_gemma3_greedy_from_shared_prefix(gemma3) -> None:

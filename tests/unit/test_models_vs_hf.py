@@ -69,6 +69,22 @@ class PagedRunner:
         return self.model.compute_logits(hidden)
 
 
+def assert_prefill_extend_decode_match_hf(runner: PagedRunner, hf, vocab_size: int, tol: float) -> None:
+    """Rows 0-2: one batched prefill of three prompts; row 3: prefill, extend over its cached prefix,
+    then decodes. Every position's logits within `tol` of HF's."""
+    prompts = random_prompts(vocab_size, [37, 5, 20], seed=1)
+    logits, start = runner.extend([0, 1, 2], [0, 0, 0], prompts), 0
+    for ids in prompts:
+        assert (logits[start:start + len(ids)] - hf_logits(hf, ids)).abs().max().item() <= tol
+        start += len(ids)
+    # region table for request 3: [0, 18) prefill | [18, 26) extend over the cached prefix | [26, 30) decodes
+    (ids,) = random_prompts(vocab_size, [30], seed=2)
+    parts = [runner.extend([3], [0], [ids[:18]]), runner.extend([3], [18], [ids[18:26]])]
+    parts += [runner.extend([3], [p], [[ids[p]]]) for p in range(26, 30)]
+    assert (torch.cat(parts) - hf_logits(hf, ids)).abs().max().item() <= tol
+
+
+
 def hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()

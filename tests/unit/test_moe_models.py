@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models_vs_hf import PagedRunner, random_prompts
+from test_models_vs_hf import PagedRunner, assert_prefill_extend_decode_match_hf, hf_logits, random_prompts
 
 from radixlm.runtime.layers.moe import SparseMoeBlock, route
 from radixlm.runtime.layers.packed_linear import pack_linear_weights
@@ -59,11 +59,6 @@ def moe_model(request, tmp_path_factory, llama_path: str):
     return request.param, str(folder), config, model, hf
 
 
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
     for _ in range(n):
@@ -83,20 +78,10 @@ def test_layer_kinds_follow_the_config(moe_model) -> None:
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_prefill_extend_decode_match_hf(moe_model, use_kernels: bool) -> None:
     _, _, config, model, hf = moe_model
-    prompts = random_prompts(config.vocab_size, [37, 5, 20], seed=1)
     runner = PagedRunner(model, config, page_size=16, num_pages=64)
     if not use_kernels:
         runner.backend.kernels = None
-    logits = runner.extend([0, 1, 2], [0, 0, 0], prompts)
-    start = 0
-    for ids in prompts:
-        assert (logits[start:start + len(ids)] - hf_logits(hf, ids)).abs().max().item() <= TOL
-        start += len(ids)
-    # region table for request 3: [0, 18) prefill | [18, 26) extend over the cached prefix | [26, 30) decodes
-    (ids,) = random_prompts(config.vocab_size, [30], seed=2)
-    parts = [runner.extend([3], [0], [ids[:18]]), runner.extend([3], [18], [ids[18:26]])]
-    parts += [runner.extend([3], [p], [[ids[p]]]) for p in range(26, 30)]
-    assert (torch.cat(parts) - hf_logits(hf, ids)).abs().max().item() <= TOL
+    assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size, TOL)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
