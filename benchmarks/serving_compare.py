@@ -12,8 +12,10 @@ and stops it at the end; it must serve at `--compare-base-url`.
 
 Prefix caches: before each run the first server's cache is flushed (`/flush_cache` for radixlm
 backends), and for an OpenAI peer `POST /reset_prefix_cache` is tried (vLLM serves it when started
-with `VLLM_SERVER_DEV_MODE=1`). Whether the peer's flush worked is in the JSON (`peer_cache_reset`);
-without it, later runs (same prompts, same seed) may hit the peer's cache.
+with `VLLM_SERVER_DEV_MODE=1`), then llama.cpp's per-slot erase (`POST /slots/{id}?action=erase`;
+start llama-server with `--cache-ram 0` too, or its host-memory prompt cache survives). Whether
+the peer's flush worked is in the JSON (`peer_cache_reset`); without it, later runs (same prompts,
+same seed) hit the peer's cache: an earlier llama.cpp comparison did, and its TTFT was not cold.
 """
 
 from __future__ import annotations
@@ -90,12 +92,27 @@ class Target:
         """Empties the server's prefix cache; True/False: worked or not, None: not asked for."""
         if not self.args.flush_cache:
             return None
-        path = "/flush_cache" if self.args.backend != "openai" else "/reset_prefix_cache"
+        if self.args.backend != "openai":
+            return await self._post("/flush_cache")
+        return await self._post("/reset_prefix_cache") or await self._erase_slots()
+
+    async def _post(self, path: str) -> bool:
         try:
             resp = await self.http.post(path, headers=self.args.headers)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
+
+    async def _erase_slots(self) -> bool:
+        """llama.cpp's server: `GET /slots`, then `POST /slots/{id}?action=erase` for each slot."""
+        try:
+            resp = await self.http.get("/slots", headers=self.args.headers)
+            slots = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return False
+        if not isinstance(slots, list) or not slots:
+            return False
+        return all([await self._post(f"/slots/{s['id']}?action=erase") for s in slots if "id" in s])
 
 
 def peer_args(args: argparse.Namespace) -> argparse.Namespace:
