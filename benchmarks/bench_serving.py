@@ -99,13 +99,21 @@ class BenchRequest:
     raw: bool = False                       # random: send the text as is, without a chat template
 
 
-def make_dataset(args: argparse.Namespace, maker: PromptMaker) -> list[BenchRequest]:
+def num_prompts(args: argparse.Namespace, concurrency: int | None) -> int:
+    """--num-prompts: one value for every run, or one per --max-concurrency value, in order."""
+    counts = args.num_prompts
+    if len(counts) == 1 or concurrency is None:
+        return counts[0]
+    return counts[args.max_concurrency.index(concurrency)]
+
+
+def make_dataset(args: argparse.Namespace, maker: PromptMaker, concurrency: int | None = None) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     in_len = lambda: rng.randint(*args.input_len)        # noqa: E731
     out_len = lambda: rng.randint(*args.output_len)      # noqa: E731
     if args.dataset == "random":
         return [BenchRequest([{"role": "user", "content": maker.text(in_len())}], out_len(), raw=True)
-                for _ in range(args.num_prompts)]
+                for _ in range(num_prompts(args, concurrency))]
     if args.dataset == "generated-shared-prefix":
         systems = [maker.text(args.gsp_system_len) for _ in range(args.gsp_groups)]
         reqs = [BenchRequest([{"role": "system", "content": s}, {"role": "user", "content": maker.text(in_len())}],
@@ -368,7 +376,7 @@ async def bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
                 run = bench_agent.summarize_agent(steps, duration, concurrency, hit_rate(before, after))
                 runs.append({**run, "turns_skipped_context": skipped})
                 continue
-            dataset = make_dataset(args, PromptMaker(tokenizer, args.seed))
+            dataset = make_dataset(args, PromptMaker(tokenizer, args.seed), concurrency)
             results, duration, skipped = await run_once(args, client, dataset, concurrency)
             after = await settled_counters(http)
             run = summarize_run(results, duration, concurrency, args.request_rate, hit_rate(before, after))
@@ -415,7 +423,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="OpenAI route (default: chat for multi-turn, else completions)")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="random", help="(default: %(default)s)")
-    g.add_argument("--num-prompts", type=int, default=64, help="random: number of requests (default: %(default)s)")
+    g.add_argument("--num-prompts", type=int, nargs="+", default=[64],
+                   help="random: number of requests; one value, or one per --max-concurrency value "
+                        "(default: %(default)s)")
     g.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"),
                    help="prompt (random) / question (shared-prefix) / user turn tokens (default: %(default)s)")
     g.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
@@ -446,6 +456,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     serving_compare.add_compare_args(p)
     args = p.parse_args(argv)
+    if len(args.num_prompts) not in (1, len(args.max_concurrency or [None])):
+        p.error("--num-prompts takes one value or one per --max-concurrency value")
     if args.ignore_eos is None:
         args.ignore_eos = args.backend != "openai"
     if args.dataset == "agent" and args.backend == "radixlm":

@@ -158,7 +158,7 @@ def _without_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
 
 async def _one_run(bs: Any, t: Target, tokenizer: Any, concurrency: int | None, repeat: int) -> dict[str, Any]:
     flushed = await t.flush()
-    dataset = bs.make_dataset(t.args, bs.PromptMaker(tokenizer, t.args.seed))
+    dataset = bs.make_dataset(t.args, bs.PromptMaker(tokenizer, t.args.seed), concurrency)
     before = await bs.cache_counters(t.http)
     with common.LoadMonitor() as load:
         results, duration, skipped = await bs.run_once(t.args, t.client, dataset, concurrency)
