@@ -33,6 +33,7 @@
 #include "paged_attention.h"
 #ifdef RADIXLM_WITH_QUANT
 #include "quant.h"
+#include "kquant.h"   // k-quants (Q4_K, Q5_K, Q6_K): same kind numbering, 100 + ggml type
 #endif
 #ifdef RADIXLM_WITH_GEMM
 #include "gemm.h"
@@ -68,7 +69,9 @@ struct Linear {
 #endif
     } else if (kind >= kQuantBase) {
 #ifdef RADIXLM_WITH_QUANT
-      y = radixlm_quant::linear(x, weight, kind - kQuantBase, out_features);
+      const int64_t type = kind - kQuantBase;
+      y = radixlm_kquant::is_kquant(type) ? radixlm_kquant::linear(x, weight, type, out_features)
+                                          : radixlm_quant::linear(x, weight, type, out_features);
       if (b.has_value()) y = at::add(y, *b);
 #endif
     } else if (kind == kOneDnn) {
