@@ -53,12 +53,16 @@ def q4_k_m_type(name: str) -> int:
     return {"blk.1.attn_k.weight": Q5_K, "blk.1.attn_output.weight": Q8_0}.get(name, Q4_K)
 
 
-def write_q4_k_m_gguf(folder: Path) -> tuple[Path, Path]:
-    """(the .gguf file, an HF config folder) of a random tiny Llama typed as q4_k_m_type says."""
+def write_q4_k_m_gguf(folder: Path, tokenizer_from: str | None = None) -> tuple[Path, Path]:
+    """(the .gguf file, an HF config folder) of a random tiny Llama typed as q4_k_m_type says. With
+    `tokenizer_from` (a .gguf) its tokenizer metadata is copied and sets the vocabulary, so the file
+    also loads by path."""
     from transformers import LlamaConfig
 
+    tokenizer = gguf.GGUFReader(tokenizer_from) if tokenizer_from else None
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].contents()) if tokenizer else VOCAB
     config = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                         num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=VOCAB,
+                         num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=vocab,
                          max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5)
     hd = HIDDEN // HEADS
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * hd, HIDDEN), "attn_v": (KV_HEADS * hd, HIDDEN),
@@ -77,7 +81,11 @@ def write_q4_k_m_gguf(folder: Path) -> tuple[Path, Path]:
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
+    w.add_vocab_size(vocab)
+    for name, field in (tokenizer.fields.items() if tokenizer else ()):
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), field.types[0], sub)
 
     def add(name: str, rows: int, cols: int) -> None:
         t = q4_k_m_type(name)
@@ -88,9 +96,9 @@ def write_q4_k_m_gguf(folder: Path) -> tuple[Path, Path]:
     def norm() -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
 
-    add("token_embd.weight", VOCAB, HIDDEN)
+    add("token_embd.weight", vocab, HIDDEN)
     w.add_tensor("output_norm.weight", norm())
-    add("output.weight", VOCAB, HIDDEN)
+    add("output.weight", vocab, HIDDEN)
     for i in range(LAYERS):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
