@@ -2,12 +2,16 @@
 
 Writes (once, cached in --work-dir) a random Llama GGUF in TinyLlama-1.1B's shape (hidden 2048,
 22 layers, 32/4 heads, FFN 5632; SmolLM2's tokenizer, so the vocabulary is 49,152) in each --types
-(Q4_0, Q8_0), with the `gguf` package: one random tensor per shape, quantized once and written for
-every layer (the bytes per step are what matter here). Then, per file and mode, a child process
+(Q4_0, Q8_0, Q4_K_M), with the `gguf` package: one random tensor per shape (and type), quantized once
+and written for every layer (the bytes per step are what matter here). Q4_K_M types the tensors as
+llama.cpp's Q4_K_M does: Q6_K for output.weight and for attn_v / ffn_down of the `use_more_bits`
+layers (the first and last eighth and every third between), Q4_K for the rest (token_embd too); the
+gguf package cannot quantize k-quants, so those tensors are random valid blocks (random codes and
+6-bit scales, fp16 super-block scales for a weight std about 0.02). Then, per file and mode, a child process
 loads it through ModelRunner and times decode steps at --batch-sizes with bench_one_batch's
 run_batch, and reports the RSS after loading (file bytes + KV pool + fixed overhead).
 
-    python benchmarks/bench_gguf_decode.py [--types Q4_0 Q8_0] [--batch-sizes 1 16]
+    python benchmarks/bench_gguf_decode.py [--types Q4_0 Q8_0 Q4_K_M] [--batch-sizes 1 16]
 """
 
 from __future__ import annotations
@@ -24,6 +28,25 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPE = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632}
+K_BYTES = {"Q4_K": 144, "Q6_K": 210}
+K_SCALES = {"Q4_K": ((0, 8e-5), (2, 6e-4)), "Q6_K": ((208, 1.5e-5),)}   # fp16 scale offsets, values
+
+
+def random_kquant(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of a k-quant (any bytes are valid codes and scales; fp16 ones set)."""
+    raw = rng.integers(0, 256, size=(rows * cols // 256, K_BYTES[type_name]), dtype=np.uint8)
+    for at, value in K_SCALES[type_name]:
+        raw[:, at:at + 2] = (value * rng.uniform(0.5, 1.5, (raw.shape[0], 1))).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def tensor_type(file_type: str, piece: str, layer: int) -> str:
+    """The GGUF type of 2-D tensor `piece` (attn_v, ffn_down, output, ...) of layer `layer` in a file of `file_type`."""
+    if file_type != "Q4_K_M":
+        return file_type
+    n = SHAPE["layers"]
+    more_bits = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+    return "Q6_K" if piece == "output" or (piece in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
 
 
 def write_gguf(path: Path, type_name: str) -> None:
@@ -31,7 +54,6 @@ def write_gguf(path: Path, type_name: str) -> None:
 
     from radixlm.runtime.models.resolve import fetch_known_model
 
-    qtype = gguf.GGMLQuantizationType[type_name]
     tok = gguf.GGUFReader(str(fetch_known_model("smollm2-135m-instruct")))
     vocab = len(tok.fields["tokenizer.ggml.tokens"].contents())
     h, f, hd = SHAPE["hidden"], SHAPE["ffn"], SHAPE["hidden"] // SHAPE["heads"]
@@ -51,20 +73,29 @@ def write_gguf(path: Path, type_name: str) -> None:
             w.add_key_value(name, field.contents(), field.types[0], sub)
     rng = np.random.default_rng(0)
 
-    def q(rows: int, cols: int) -> np.ndarray:
-        return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), qtype)
+    def q(rows: int, cols: int, t: str) -> np.ndarray:
+        if t in K_BYTES:
+            return random_kquant(t, rows, cols, rng)
+        return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32),
+                                    gguf.GGMLQuantizationType[t])
 
     shapes = {"attn_q": (h, h), "attn_k": (SHAPE["kv_heads"] * hd, h), "attn_v": (SHAPE["kv_heads"] * hd, h),
               "attn_output": (h, h), "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
-    block = {name: q(*shape) for name, shape in shapes.items()}
+    blocks: dict[tuple[str, str], np.ndarray] = {}      # (name, type) -> the one random tensor
     ones = np.ones(h, dtype=np.float32)
-    w.add_tensor("token_embd.weight", q(vocab, h), raw_dtype=qtype)
+    embd = tensor_type(type_name, "token_embd", 0)
+    w.add_tensor("token_embd.weight", q(vocab, h, embd), raw_dtype=gguf.GGMLQuantizationType[embd])
+    if type_name == "Q4_K_M":        # an untied head (Q6_K), as TinyLlama's files have
+        w.add_tensor("output.weight", q(vocab, h, "Q6_K"), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
     w.add_tensor("output_norm.weight", ones)
     for i in range(SHAPE["layers"]):
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        for name, raw in block.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=qtype)
+        for name, shape in shapes.items():
+            t = tensor_type(type_name, name, i)
+            if (name, t) not in blocks:
+                blocks[name, t] = q(*shape, t)
+            w.add_tensor(f"blk.{i}.{name}.weight", blocks[name, t], raw_dtype=gguf.GGMLQuantizationType[t])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -106,6 +137,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--modes", nargs="+", choices=["quantized", "dequantized"], default=["quantized", "dequantized"])
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -126,7 +158,7 @@ def main() -> None:
         path = Path(args.work_dir) / f"tinyllama-shape-{t}.gguf"
         if not path.is_file():
             write_gguf(path, t)
-        for dequantize in (False, True):
+        for dequantize in [m == "dequantized" for m in args.modes]:
             cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads),
                    "--input-len", str(args.input_len), "--decode-steps", str(args.decode_steps),
                    "--batch-sizes", *map(str, args.batch_sizes), *(["--dequantize"] if dequantize else [])]

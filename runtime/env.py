@@ -103,8 +103,8 @@ DISABLE_CPU_GEMM = _var("RADIXLM_DISABLE_CPU_GEMM", bool, False, "On CPU, do not
 DISABLE_FUSED_OPS = _var("RADIXLM_DISABLE_FUSED_OPS", bool, False, "On CPU, run RMSNorm, SiLU-and-mul and rotary "
                          "in torch instead of radixlm's fused C++ ops.", "disable_fused_ops")
 DISABLE_GGUF_QUANT = _var("RADIXLM_DISABLE_GGUF_QUANT", bool, False, "Load a GGUF file's weights dequantized to the "
-                          "serving dtype (bf16) instead of keeping Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights quantized in "
-                          "memory (about 3.5x the memory and the bytes read per decode step).", "disable_gguf_quant")
+                          "serving dtype (bf16) instead of keeping Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights "
+                          "quantized in memory (about 3.5x the memory and the bytes read per decode step).", "disable_gguf_quant")
 DISABLE_CPU_DECODER = _var("RADIXLM_DISABLE_CPU_DECODER", bool, False, "On CPU, run decode steps through the "
                            "Python forward, layer by layer, instead of radixlm's one-call C++ decoder (same "
                            "results; the C++ loop drops the per-op Python work, the CPU counterpart of CUDA "

@@ -33,6 +33,7 @@
 #include "paged_attention.h"
 #ifdef RADIXLM_WITH_QUANT
 #include "quant.h"
+#include "kquant.h"   // k-quants (Q4_K, Q5_K, Q6_K): same kind numbering, 100 + ggml type
 #endif
 #ifdef RADIXLM_WITH_GEMM
 #include "gemm.h"
@@ -40,7 +41,16 @@
 
 namespace radixlm_decoder {
 
-enum LinearKind : int64_t { kDense = 0, kGemm = 1, kOneDnn = 2, kQuantBase = 100 };   // 100 + ggml type: cpu_quant
+enum LinearKind : int64_t { kDense = 0, kGemm = 1, kOneDnn = 2, kQuantParts = 3, kQuantBase = 100 };   // 100 + ggml type: cpu_quant
+
+#ifdef RADIXLM_WITH_QUANT
+// A weight kept quantized, of one ggml type, in cpu_quant's layout (quant.h or, for k-quants, kquant.h).
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t out_features) {
+  return radixlm_kquant::is_kquant(type) ? radixlm_kquant::linear(x, w, type, out_features)
+                                         : radixlm_quant::linear(x, w, type, out_features);
+}
+#endif
+using QuantParts = std::vector<std::tuple<at::Tensor, int64_t, int64_t>>;   // (packed, ggml type, rows)
 
 // oneDNN's matmul on a weight packed by torch.ops.mkldnn._reorder_linear_weight
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -58,6 +68,7 @@ struct Linear {
   int64_t out_features = 0;
   int64_t kind = kDense;
   bool bias_after = false;
+  QuantParts parts;       // kQuantParts: row ranges of different ggml types (Q4_K_M's qkv), outputs joined
 
   at::Tensor operator()(const at::Tensor& x) const {
     const c10::optional<at::Tensor> b = bias.defined() && !bias_after ? c10::optional<at::Tensor>(bias) : c10::nullopt;
@@ -68,7 +79,14 @@ struct Linear {
 #endif
     } else if (kind >= kQuantBase) {
 #ifdef RADIXLM_WITH_QUANT
-      y = radixlm_quant::linear(x, weight, kind - kQuantBase, out_features);
+      y = quant_linear(x, weight, kind - kQuantBase, out_features);
+      if (b.has_value()) y = at::add(y, *b);
+#endif
+    } else if (kind == kQuantParts) {
+#ifdef RADIXLM_WITH_QUANT
+      std::vector<at::Tensor> outs;
+      for (const auto& [w, type, rows] : parts) outs.push_back(quant_linear(x, w, type, rows));
+      y = at::cat(outs, -1);     // as runtime/layers/quant_linear.py joins them
       if (b.has_value()) y = at::add(y, *b);
 #endif
     } else if (kind == kOneDnn) {
@@ -86,7 +104,8 @@ struct Layer {
   at::Tensor k_cache, v_cache;                        // [slots, KVH, D]
 };
 
-using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>;  // weight, bias, out, kind
+// weight, bias, out, kind, quantized parts (kind kQuantParts; else empty)
+using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, QuantParts>;
 
 Linear make_linear(const LinearArgs& a, bool bias_after) {
   Linear l;
@@ -95,10 +114,12 @@ Linear make_linear(const LinearArgs& a, bool bias_after) {
   l.out_features = std::get<2>(a);
   l.kind = std::get<3>(a);
   l.bias_after = bias_after;
-  TORCH_CHECK(l.kind == kDense || l.kind == kGemm || l.kind == kOneDnn || l.kind > kQuantBase,
+  l.parts = std::get<4>(a);
+  TORCH_CHECK((l.kind == kQuantParts) == !l.parts.empty(), "cpu_decoder: quantized parts go with kind 3 only");
+  TORCH_CHECK(l.kind == kDense || l.kind == kGemm || l.kind == kOneDnn || l.kind == kQuantParts || l.kind > kQuantBase,
               "cpu_decoder: unknown linear kind ", l.kind);
 #ifndef RADIXLM_WITH_QUANT
-  TORCH_CHECK(l.kind < kQuantBase, "cpu_decoder: built without the quantized kernel, so GGUF weights are not supported");
+  TORCH_CHECK(l.kind < kQuantBase && l.kind != kQuantParts, "cpu_decoder: built without the quantized kernel, so GGUF weights are not supported");
 #endif
 #ifndef RADIXLM_WITH_GEMM
   TORCH_CHECK(l.kind != kGemm, "cpu_decoder: built without the gemm kernel, so its layout is not supported");
@@ -220,7 +241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &radixlm_decoder::Decoder::add_layer,
            "add_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, gate_up, down, k_cache, v_cache); "
            "each linear is (weight, bias|None, out_features, kind: 0 dense, 1 gemm layout, 2 oneDNN packed, "
-           "100 + ggml type: cpu_quant's layout)")
+           "3 quantized parts, 100 + ggml type: cpu_quant's layout; parts: [(packed, ggml type, rows)] for kind 3)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);

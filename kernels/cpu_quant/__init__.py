@@ -6,7 +6,8 @@
     y = mod.linear(x, out, t, n)                 # x [m, k] bf16/fp32 -> [m, n]
 
 quant.h explains the layout and the kernel. The types are ggml's numbers (gguf.GGMLQuantizationType):
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0. runtime/layers/quant_linear.py holds the weights and falls back to
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; and through the k_* bindings (kquant.h, 256-weight super-blocks)
+Q4_K, Q5_K, Q6_K. runtime/layers/quant_linear.py holds the weights and falls back to
 dequantize-then-matmul in torch where this is off. `RADIXLM_DISABLE_CPU_KERNELS=1` disables it.
 """
 
@@ -20,6 +21,7 @@ from ..cpu_build import cpu_flags, load_extension, pick_isa
 _SRC_DIR = Path(__file__).parent
 QUANT_FLAGS = ("-mavx512vnni",)
 KERNEL_TYPES = frozenset({2, 3, 6, 7, 8})   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+KQUANT_TYPES = frozenset({12, 13, 14})      # Q4_K, Q5_K, Q6_K (kquant.h; k_* bindings)
 
 
 def cpu_supports_quant(flags: set[str] | None = None) -> bool:
@@ -33,4 +35,4 @@ def load_cpu_quant():
     if not cpu_supports_quant():
         return None
     return load_extension("cpu_quant", "GGUF quantized linear kernel", "avx512", [_SRC_DIR / "quant.cpp"],
-                          [_SRC_DIR / "quant.h"], extra_flags=QUANT_FLAGS)
+                          [_SRC_DIR / "quant.h", _SRC_DIR / "kquant.h"], extra_flags=QUANT_FLAGS)

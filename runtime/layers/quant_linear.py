@@ -2,7 +2,8 @@
 
 A `QuantWeight` is an [out_features, in_features] weight held as one or more row ranges ("parts"),
 each in one GGUF type (a fused qkv may mix types). A part holds the file's bytes, repacked for
-kernels/cpu_quant's AVX512-VNNI kernel when that is on (same bytes per weight), else as in the file:
+kernels/cpu_quant's AVX512-VNNI kernel when that is on (same bytes per weight; Q4_K/Q5_K 4 more bytes
+per 256 weights, their 6-bit scales unpacked), else as in the file:
 
     w = quant_weight([(raw, qtype, rows)], in_features)   # raw: the file's uint8 bytes, row-major
     w = quant_weight([q, k, v], in_features)              # fused layers: shards stacked along out
@@ -21,12 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.cpu_quant import KERNEL_TYPES, load_cpu_quant
+from ...kernels.cpu_quant import KERNEL_TYPES, KQUANT_TYPES, load_cpu_quant
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8       # ggml's type numbers (gguf.GGMLQuantizationType)
 QK = 32                                             # weights per block
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
-QUANT_TYPES = frozenset(BLOCK_BYTES)                # the types kept quantized
+Q4_K, Q5_K, Q6_K = 12, 13, 14                       # k-quants: 256-weight super-blocks (kernels/cpu_quant/kquant.h)
+K_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+QUANT_TYPES = frozenset(BLOCK_BYTES) | frozenset(K_BLOCK_BYTES)   # the types kept quantized
 
 
 @dataclass
@@ -93,8 +96,8 @@ def _merged(shards: list[tuple[torch.Tensor, int, int]]) -> list[tuple[list[torc
 def packed_bytes(shards: list[tuple[torch.Tensor, int, int]], in_features: int) -> int:
     """Bytes quant_weight takes from `alloc` for these shards (0 when the kernel is off)."""
     mod = load_cpu_quant()
-    return 0 if mod is None else sum(mod.packed_bytes(t, rows, in_features)
-                                     for _, t, rows in _merged(shards) if t in KERNEL_TYPES)
+    return 0 if mod is None else sum(_fn(mod, t, "packed_bytes")(t, rows, in_features)
+                                     for _, t, rows in _merged(shards) if t in KERNEL_TYPES | KQUANT_TYPES)
 
 
 def quant_weight(shards: list[tuple[torch.Tensor, int, int]], in_features: int,
@@ -108,20 +111,25 @@ def quant_weight(shards: list[tuple[torch.Tensor, int, int]], in_features: int,
     parts = []
     for raws, qtype, rows in _merged(shards):
         raw = torch.cat(raws).contiguous()
-        mod = load_cpu_quant() if qtype in KERNEL_TYPES else None
+        mod = load_cpu_quant() if qtype in KERNEL_TYPES | KQUANT_TYPES else None
         if mod is None:
             parts.append(QuantPart(qtype, rows, raw, packed=False))
             continue
-        nbytes = mod.packed_bytes(qtype, rows, in_features)
+        nbytes = _fn(mod, qtype, "packed_bytes")(qtype, rows, in_features)
         out = alloc(nbytes) if alloc is not None else torch.empty(nbytes, dtype=torch.uint8)
-        mod.repack(raw, qtype, rows, in_features, out)
+        _fn(mod, qtype, "repack")(raw, qtype, rows, in_features, out)
         parts.append(QuantPart(qtype, rows, out, packed=True))
     return QuantWeight(parts, in_features)
 
 
+def _fn(mod, qtype: int, name: str):
+    """The extension's `name` binding for `qtype`: the k_* ones (kquant.h) for the k-quants."""
+    return getattr(mod, f"k_{name}" if qtype in K_BLOCK_BYTES else name)
+
+
 def _part_linear(p: QuantPart, x: torch.Tensor, in_features: int) -> torch.Tensor:
     if p.packed and x.dtype in (torch.bfloat16, torch.float32):
-        return load_cpu_quant().linear(x, p.data, p.qtype, p.rows)
+        return _fn(load_cpu_quant(), p.qtype, "linear")(x, p.data, p.qtype, p.rows)
     w = _part_rows(p, None, in_features)                       # [rows, in] fp32
     return (x.float() @ w.T).to(x.dtype)
 
@@ -130,13 +138,18 @@ def _part_rows(p: QuantPart, ids: torch.Tensor | None, in_features: int) -> torc
     """Rows `ids` (all when None) of a part, dequantized to fp32: [len(ids), in]."""
     if p.packed:
         ids = torch.arange(p.rows) if ids is None else ids
-        return load_cpu_quant().dequantize_rows(p.data, p.qtype, p.rows, in_features, ids)
+        return _fn(load_cpu_quant(), p.qtype, "dequantize_rows")(p.data, p.qtype, p.rows, in_features, ids)
     raw = p.data if ids is None else p.data[ids]
     return dequantize(raw, p.qtype).reshape(raw.shape[0], in_features)
 
 
 def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """The file's bytes [rows, bytes/row] (uint8) of one GGUF type -> fp32 [rows, weights/row]."""
+    if qtype in K_BLOCK_BYTES:                       # k-quants: the gguf package's numpy dequantizer
+        from gguf import GGMLQuantizationType
+        from gguf import dequantize as gguf_dequantize
+
+        return torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType(qtype))).reshape(raw.shape[0], -1)
     blocks = raw.reshape(-1, BLOCK_BYTES[qtype])
     d = blocks[:, :2].contiguous().view(torch.float16).float()             # [nb, 1]
     if qtype == Q8_0:

@@ -14,7 +14,8 @@ runs the Python forward).
 It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
 fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
 linear weights may be plain, in the AVX512-BF16 gemm layout, in oneDNN's packed layout, or GGUF
-weights kept quantized in kernels/cpu_quant's layout (one GGUF type per fused layer).
+weights kept quantized in kernels/cpu_quant's layout (a fused layer may mix GGUF types, as Q4_K_M's
+qkv does: its parts run one after the other and their outputs are joined, as quant_linear.py does).
 `create` logs why not otherwise, and the Python forward runs.
 """
 
@@ -77,6 +78,7 @@ class CpuDecoder:
 
 
 DENSE, GEMM, ONEDNN = 0, 1, 2       # the weight layouts decoder.cpp takes (packed_linear.py makes them)
+QUANT_PARTS = 3                     # a QuantWeight of several parts: [(packed, ggml type, rows)]
 QUANT_BASE = 100                    # + a ggml type: kernels/cpu_quant's layout (quant_linear.py)
 
 
@@ -84,12 +86,15 @@ def _linear_args(layer: nn.Module) -> tuple:
     packed = layer.packed_weight
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(packed, GemmWeight):
-        return packed.data, bias, packed.out_features, GEMM
-    if isinstance(packed, QuantWeight):                        # one part, repacked (checked before)
-        return packed.parts[0].data, bias, packed.out_features, QUANT_BASE + packed.parts[0].qtype
+        return packed.data, bias, packed.out_features, GEMM, []
+    if isinstance(packed, QuantWeight) and len(packed.parts) == 1:   # repacked (checked before)
+        return packed.parts[0].data, bias, packed.out_features, QUANT_BASE + packed.parts[0].qtype, []
+    if isinstance(packed, QuantWeight):
+        parts = [(p.data, p.qtype, p.rows) for p in packed.parts]
+        return parts[0][0], bias, packed.out_features, QUANT_PARTS, parts
     if packed is not None:
-        return packed, bias, packed.shape[0], ONEDNN           # an opaque oneDNN tensor, [out, in] sizes
-    return layer.weight.detach(), bias, layer.weight.shape[0], DENSE
+        return packed, bias, packed.shape[0], ONEDNN, []       # an opaque oneDNN tensor, [out, in] sizes
+    return layer.weight.detach(), bias, layer.weight.shape[0], DENSE, []
 
 
 def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> str | None:
@@ -119,8 +124,8 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
             quant = linear.packed_weight
-            if isinstance(quant, QuantWeight) and (len(quant.parts) != 1 or not quant.parts[0].packed):
-                return "GGUF weights of mixed types in one fused layer, or the quantized kernel off"
+            if isinstance(quant, QuantWeight) and not all(p.packed for p in quant.parts):
+                return "GGUF weights kept quantized without the quantized kernel"
             if linear.packed_weight is None and linear.weight.dtype != weight.dtype:
                 return "mixed weight dtypes"
     return None

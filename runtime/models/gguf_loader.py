@@ -11,7 +11,7 @@ quantized (Q4_1, Q8_0, ...). Two pieces:
   package (fp32), renames it to its HF name, and undoes llama.cpp's q/k row permutation, so
   `load_weights` sees exactly what an HF safetensors checkpoint would hold. With
   `keep_quantized=True`, 2-D weights in a type runtime/layers/quant_linear.py keeps quantized
-  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) come as `GGUFQuantized` (the file's bytes, rows permuted the same
+  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) come as `GGUFQuantized` (the file's bytes, rows permuted the same
   way: a block covers 32 inputs of one row, so reordering rows is exact); runtime/models/gguf_quant.py
   attaches those to the layers.
 

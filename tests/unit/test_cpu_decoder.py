@@ -63,28 +63,34 @@ def _prefilled_batch(runner: ModelRunner, lengths: list[int]):
     return kv, reqs, next_ids
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-onednn", "bfloat16-gguf-q4_1"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-onednn", "bfloat16-gguf-q4_1",
+                                   "bfloat16-gguf-q4_k_m"])
 def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeypatch: pytest.MonkeyPatch,
                                        tmp_path, request: pytest.FixtureRequest) -> None:
     """bfloat16-onednn: the weights in oneDNN's packed layout, as on CPUs without AVX512-BF16.
     bfloat16-gguf-q4_1: a tiny Llama GGUF file in Q4_1 (tests/unit/test_gguf_quant.py), its
-    weights kept quantized (kernels/cpu_quant's layout)."""
+    weights kept quantized (kernels/cpu_quant's layout). bfloat16-gguf-q4_k_m: the Q4_K_M-style file
+    of tests/unit/test_gguf_kquant.py (k-quants, fused layers mixing GGUF types)."""
     onednn = dtype == "bfloat16-onednn"
     if onednn:
         monkeypatch.setattr(packed_linear, "load_cpu_gemm", lambda: None)
         monkeypatch.setenv("RADIXLM_CPU_LINEAR_KERNEL", "onednn")
-    if dtype.endswith("gguf-q4_1"):
+    if "gguf" in dtype:
         from tests.real_model import smollm2_gguf
+        from tests.unit.test_gguf_kquant import write_q4_k_m_gguf
         from tests.unit.test_gguf_quant import write_tiny_gguf
 
         if not load_cpu_decoder().with_quant:
             pytest.skip("decoder built without the quantized kernel (no AVX512-VNNI)")
         if tiny_model_path != next(iter(request.getfixturevalue("tiny_models").values())):
             pytest.skip("the GGUF case writes its own Llama: run it once, with the first tiny model")
-        tiny_model_path = str(write_tiny_gguf(tmp_path, 3, True, tokenizer_from=smollm2_gguf())[0])
+        write = write_q4_k_m_gguf if dtype.endswith("q4_k_m") else lambda p, **kw: write_tiny_gguf(p, 3, True, **kw)
+        tiny_model_path = str(write(tmp_path, tokenizer_from=smollm2_gguf())[0])
     runner = _runner(tiny_model_path, "bfloat16" if onednn or "gguf" in dtype else dtype)
     if "gguf" in dtype:
         assert runner.model.model.layers[0].mlp.down_proj.packed_weight.parts[0].packed
+        if dtype.endswith("q4_k_m"):
+            assert len(runner.model.model.layers[0].self_attn.qkv_proj.packed_weight.parts) == 2
     if onednn:
         packed = runner.model.model.layers[0].mlp.down_proj.packed_weight
         assert packed is not None and not isinstance(packed, packed_linear.GemmWeight)
