@@ -44,11 +44,6 @@ def allocate_vocab_mask(bs: int, vocab_size: int, device: torch.device | str = "
     return torch.full((bs, num_mask_words(vocab_size)), -1, dtype=torch.int32, device=device)
 
 
-def reset_vocab_mask(mask: torch.Tensor) -> None:
-    """Allow every token in every row (in place)."""
-    mask.fill_(-1)
-
-
 def set_tokens_allowed(mask_row: torch.Tensor, token_ids: Iterable[int], allowed: bool) -> None:
     """Set or clear the bits of `token_ids` in one mask row (1-D int32, in place); ids past the row are ignored."""
     on_cpu = mask_row.device.type == "cpu"

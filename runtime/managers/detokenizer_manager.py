@@ -30,6 +30,7 @@ from .io_struct import (
     BatchStrOut,
     BatchTokenIDOut,
     ChildFailed,
+    DecodeParams,
     DetokenizerReady,
     ReqStrOut,
     ReqTokenOut,
@@ -50,6 +51,7 @@ class DecodeState:
     read_offset: int = 0        # ids[:read_offset] are decoded into `text`
     text: str = ""              # text of ids[:read_offset]
     sent_len: int = 0           # chars of `text` already sent
+    params: DecodeParams = field(default_factory=DecodeParams)   # from the request's first output
 
 
 class IncrementalDetokenizer:
@@ -112,27 +114,30 @@ class IncrementalDetokenizer:
         A finished request is trimmed at its matched stop (a stop string, or the stop token's
         text) unless `no_stop_trim`, and its state is dropped."""
         st = self.states.setdefault(out.rid, DecodeState())
+        if out.decode is not None:
+            st.params = out.decode
+        p = st.params
         reason = out.finish_reason
         finished = reason is not None
         matched = reason.get("matched") if finished and reason.get("type") == "stop" else None
         new_ids = out.new_token_ids
-        trim = finished and not out.no_stop_trim
+        trim = finished and not p.no_stop_trim
         if trim and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
             new_ids = new_ids[:-1]       # the stop token (eos / stop_token_ids) is not part of the text
-        self._advance(st, new_ids, out.skip_special_tokens, out.spaces_between_special_tokens, finished)
+        self._advance(st, new_ids, p.skip_special_tokens, p.spaces_between_special_tokens, finished)
         if finished:
             del self.states[out.rid]
             end = len(st.text)
             if trim and isinstance(matched, str) and matched:
-                pos = _stop_position(st.text, st.sent_len, matched, matched in out.stop_regex)
+                pos = _stop_position(st.text, st.sent_len, matched, matched in p.stop_regex)
                 if pos != -1:
                     end = pos
-        elif out.no_stop_trim:
+        elif p.no_stop_trim:
             end = len(st.text)
         else:
-            end = stop_safe_end(st.text, st.sent_len, out.stop_strs)
-            if out.stop_regex:
-                end = min(end, stop_regex_safe_end(st.text, st.sent_len, out.stop_regex))
+            end = stop_safe_end(st.text, st.sent_len, p.stop_strs)
+            if p.stop_regex:
+                end = min(end, stop_regex_safe_end(st.text, st.sent_len, p.stop_regex))
         delta = st.text[st.sent_len:end]
         st.sent_len = max(st.sent_len, end)
         return delta

@@ -59,6 +59,18 @@ class GetInternalStateOut:
 
 # ------------------------------------------------------------------ outputs
 @dataclass
+class DecodeParams:
+    """How the detokenizer turns one request's tokens into text: constant for the request, so it
+    rides on the request's first ReqTokenOut only and the detokenizer keeps it."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strs: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False
+
+
+@dataclass
 class ReqTokenOut:
     """What one request produced in one scheduler step (deltas, not cumulative lists)."""
 
@@ -68,11 +80,7 @@ class ReqTokenOut:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    stop_strs: list[str] = field(default_factory=list)
-    stop_regex: list[str] = field(default_factory=list)
-    no_stop_trim: bool = False
+    decode: DecodeParams | None = None     # set on the request's first output only
     # logprobs, as [logprob, token_id] pairs (text is added by the TokenizerManager)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None

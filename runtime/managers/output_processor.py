@@ -18,7 +18,7 @@ from ..layers.logits_processor import compute_logprobs, gather_token_logprobs, t
 from ..layers.sampler import Sampler
 from ..layers.sampling_batch_info import PenaltyState, SamplingBatchInfo, is_plain_greedy
 from .batch_planner import StepBatch
-from .io_struct import ReqTokenOut
+from .io_struct import DecodeParams, ReqTokenOut
 from .req import Req
 
 STOP_STR_LOOKBACK_TOKENS = 8   # decode this many tokens beyond the longest stop string's length
@@ -205,11 +205,11 @@ class OutputProcessor:
         out = ReqTokenOut(
             rid=req.rid, new_token_ids=list(new), finish_reason=req.finished_reason,
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens, skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens, stop_strs=list(sp.stop),
-            stop_regex=list(sp.stop_regex),
-            no_stop_trim=sp.no_stop_trim, jump_forward_tokens=req.jump_forward_tokens,
+            cached_tokens=req.cached_tokens, jump_forward_tokens=req.jump_forward_tokens,
             forward_passes=req.forward_passes)
+        if not req.sent_first:
+            out.decode = DecodeParams(sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                                      list(sp.stop), list(sp.stop_regex), sp.no_stop_trim)
         if req.return_logprob:
             if not req.sent_first:
                 out.input_token_logprobs = list(req.input_token_logprobs or [])

@@ -3,7 +3,9 @@
 Rank 0 of a TP group owns the sockets; with tp > 1 it broadcasts each step's received messages
 to the other ranks (torch.distributed, gloo group) so every rank runs the identical schedule.
 Idle, rank 0 blocks on its socket (up to IDLE_POLL_MS) before each broadcast and the other ranks
-block inside the broadcast, so an idle server costs no CPU whatever the TP size.
+block inside the broadcast, so an idle server costs no CPU whatever the TP size. While its only
+work is grammars compiling in the worker processes, rank 0 waits on its socket in GRAMMAR_POLL_MS
+slices instead of spinning.
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         sys.exit(1)
 
 
+GRAMMAR_POLL_MS = 5          # how often a scheduler with only compiling grammars checks them
+
+
 def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
     while True:
-        busy = scheduler.has_work()
-        msgs = recv_messages(scheduler, puller, block=not busy)
+        if not scheduler.has_work():
+            wait_ms = IDLE_POLL_MS
+        elif scheduler.waiting or scheduler.running:
+            wait_ms = 0
+        else:                               # only grammars compiling elsewhere: nothing to run yet
+            wait_ms = GRAMMAR_POLL_MS
+        msgs = recv_messages(scheduler, puller, wait_ms)
         for msg in msgs:
             scheduler.handle(msg)
         if scheduler.has_work():
@@ -61,11 +71,12 @@ def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
                 scheduler.check_idle_invariants()
 
 
-def recv_messages(scheduler: Scheduler, puller: Puller | None, block: bool) -> list:
+def recv_messages(scheduler: Scheduler, puller: Puller | None, wait_ms: int) -> list:
+    """Messages for this step (the same on every TP rank); rank 0 first waits up to `wait_ms` for one."""
     msgs: list = []
     if puller is not None:
-        if block:
-            first = puller.recv(timeout_ms=IDLE_POLL_MS)
+        if wait_ms:
+            first = puller.recv(timeout_ms=wait_ms)
             if first is not None:
                 msgs.append(first)
         msgs.extend(puller.recv_nowait_all())

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixlm.runtime.managers.detokenizer_manager import IncrementalDetokenizer, stop_safe_end
-from radixlm.runtime.managers.io_struct import BatchTokenIDOut, ReqTokenOut
+from radixlm.runtime.managers.io_struct import BatchTokenIDOut, DecodeParams, ReqTokenOut
 
 UNICODE_TEXT = "x = 'héllo wörld' # €42 — 😀🎉 ok\n\tdef f(): return \"日本語\"  # ça va ?"
 
@@ -26,9 +26,10 @@ def detok(tokenizer) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(tokenizer)
 
 
-def make_out(rid: str, ids: list[int], finish: dict | None = None, **kw) -> ReqTokenOut:
+def make_out(rid: str, ids: list[int], finish: dict | None = None, first: bool = True, **kw) -> ReqTokenOut:
+    """A ReqTokenOut; `kw` are DecodeParams fields, sent only when `first` (as the scheduler does)."""
     return ReqTokenOut(rid=rid, new_token_ids=ids, finish_reason=finish, prompt_tokens=1,
-                       completion_tokens=0, cached_tokens=0, **kw)
+                       completion_tokens=0, cached_tokens=0, decode=DecodeParams(**kw) if first else None)
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int], finish: dict | None,
@@ -39,7 +40,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int], fin
         last = i == len(chunks) - 1
         part = ids[pos:] if last else ids[pos:pos + size]
         pos += size
-        deltas.append(detok.process(make_out(rid, part, finish if last else None, **kw)))
+        deltas.append(detok.process(make_out(rid, part, finish if last else None, first=i == 0, **kw)))
     return deltas
 
 
@@ -109,12 +110,12 @@ def test_stop_string_prefix_is_held_back_then_trimmed(tokenizer, detok):
     last = next(i for i in range(len(ids)) if "# STOP" in tokenizer.decode(ids[:i + 1]))
     sent = ""
     for i, tid in enumerate(ids[:last]):
-        sent += detok.process(make_out("r", [tid], None, stop_strs=["# STOP"]))
+        sent += detok.process(make_out("r", [tid], None, first=i == 0, stop_strs=["# STOP"]))
         assert tokenizer.decode(ids[:i + 1]).startswith(sent)
         assert "#" not in sent                       # the would-be stop string never leaks
     assert sent == "value = compute(x) "             # "#" and "# ST" were held back as they appeared
     finish = {"type": "stop", "matched": "# STOP"}
-    sent += detok.process(make_out("r", ids[last:last + 1], finish, stop_strs=["# STOP"]))
+    sent += detok.process(make_out("r", ids[last:last + 1], finish, first=False))
     assert sent == "value = compute(x) "
     assert "r" not in detok.states
 

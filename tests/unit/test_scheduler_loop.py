@@ -1,0 +1,61 @@
+"""The scheduler process's receive loop: how long it waits on its socket in each state (an idle
+server and one whose only work is compiling grammars must not spin)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+from radixlm.runtime.managers import scheduler_process
+from radixlm.runtime.managers.ipc import Puller
+
+
+class _Stop(Exception):
+    pass
+
+
+class FakeScheduler:
+    """The loop's view of a scheduler: lists it reads, and a step() counter."""
+
+    def __init__(self, waiting: list, running: list, compiling: list, seconds: float):
+        self.waiting, self.running, self.compiling = waiting, running, compiling
+        self.args = SimpleNamespace(tp_size=1)
+        self.steps = 0
+        self.deadline = time.monotonic() + seconds
+
+    def has_work(self) -> bool:
+        if time.monotonic() > self.deadline:
+            raise _Stop
+        return bool(self.waiting or self.running or self.compiling)
+
+    def handle(self, msg) -> None:
+        pass
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def timeout_aborts(self) -> list:
+        return []
+
+
+def loop_for(sched: FakeScheduler, puller: Puller) -> int:
+    with pytest.raises(_Stop):
+        scheduler_process.event_loop(sched, puller)
+    return sched.steps
+
+
+def test_loop_waits_on_its_socket_while_only_grammars_compile(tmp_path):
+    ctx = zmq.Context()
+    puller = Puller(ctx, f"ipc://{tmp_path}/sched")
+    try:
+        compiling = loop_for(FakeScheduler([], [], ["grammar"], seconds=0.2), puller)
+        busy = loop_for(FakeScheduler(["req"], [], [], seconds=0.2), puller)
+    finally:
+        puller.close()
+        ctx.term()
+    # 0.2 s in GRAMMAR_POLL_MS slices is at most ~40 steps; a spinning loop makes thousands
+    assert compiling <= 0.2 * 1000 / scheduler_process.GRAMMAR_POLL_MS + 2, compiling
+    assert busy > 10 * compiling            # with requests to run it does not wait at all
