@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models_vs_hf import PagedRunner, assert_prefill_extend_decode_match_hf, hf_logits, random_prompts
+from test_models_vs_hf import (
+    PagedRunner,
+    assert_greedy_from_shared_prefix_matches_hf,
+    assert_prefill_extend_decode_match_hf,
+)
 
 from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.weight_loader import load_model
@@ -52,15 +56,5 @@ def test_gemma3_matches_hf(gemma3, use_kernels: bool) -> None:
 
 def test_gemma3_greedy_from_shared_prefix(gemma3) -> None:
     config, model, hf = gemma3
-    shared, tail_a, tail_b = random_prompts(config.vocab_size, [32, 10, 14], seed=3)
     runner = PagedRunner(model, config, page_size=16, num_pages=64)
-    runner.extend([0], [0], [shared + tail_a])
-    runner.pool.req_to_token[1, :32] = runner.pool.req_to_token[0, :32]
-    b = shared + tail_b
-    ours = [int(runner.extend([1], [32], [tail_b])[-1].argmax())]
-    want = list(b)
-    want.append(int(hf_logits(hf, want)[-1].argmax()))
-    for _ in range(5):
-        ours.append(int(runner.extend([1], [len(b) + len(ours) - 1], [[ours[-1]]])[-1].argmax()))
-        want.append(int(hf_logits(hf, want)[-1].argmax()))
-    assert ours == want[len(b):]
+    assert_greedy_from_shared_prefix_matches_hf(runner, hf, config.vocab_size)

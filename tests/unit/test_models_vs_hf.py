@@ -84,6 +84,22 @@ def assert_prefill_extend_decode_match_hf(runner: PagedRunner, hf, vocab_size: i
     assert (torch.cat(parts) - hf_logits(hf, ids)).abs().max().item() <= tol
 
 
+def assert_greedy_from_shared_prefix_matches_hf(runner: PagedRunner, hf, vocab_size: int, new_tokens: int = 6) -> None:
+    """Request 1 reuses request 0's KV slots for their 32 shared tokens (a radix-cache hit),
+    prefills the rest, then decodes greedily: the same tokens as HF's greedy continuation."""
+    shared, tail_a, tail_b = random_prompts(vocab_size, [32, 10, 14], seed=3)
+    runner.extend([0], [0], [shared + tail_a])
+    runner.pool.req_to_token[1, :32] = runner.pool.req_to_token[0, :32]
+    b = shared + tail_b
+    ours = [int(runner.extend([1], [32], [tail_b])[-1].argmax())]
+    want = list(b)
+    want.append(int(hf_logits(hf, want)[-1].argmax()))
+    for _ in range(new_tokens - 1):
+        ours.append(int(runner.extend([1], [len(b) + len(ours) - 1], [[ours[-1]]])[-1].argmax()))
+        want.append(int(hf_logits(hf, want)[-1].argmax()))
+    assert ours == want[len(b):]
+
+
 
 def hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():

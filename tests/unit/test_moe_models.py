@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models_vs_hf import PagedRunner, assert_prefill_extend_decode_match_hf, hf_logits, random_prompts
+from test_models_vs_hf import (
+    PagedRunner,
+    assert_greedy_from_shared_prefix_matches_hf,
+    assert_prefill_extend_decode_match_hf,
+    hf_logits,
+    random_prompts,
+)
 
 from radixlm.runtime.layers.moe import SparseMoeBlock, route
 from radixlm.runtime.layers.packed_linear import pack_linear_weights
@@ -88,15 +94,8 @@ def test_prefill_extend_decode_match_hf(moe_model, use_kernels: bool) -> None:
 def test_greedy_with_shared_prefix_matches_hf(moe_model, page_size: int) -> None:
     """B reuses A's KV slots for their 32 shared tokens, prefills the rest, then decodes."""
     _, _, config, model, hf = moe_model
-    shared, tail_a, tail_b = random_prompts(config.vocab_size, [32, 10, 14], seed=3)
     runner = PagedRunner(model, config, page_size, num_pages=512 // page_size)
-    runner.extend([0], [0], [shared + tail_a])
-    runner.pool.req_to_token[1, :32] = runner.pool.req_to_token[0, :32]
-    b = shared + tail_b
-    tokens = [int(runner.extend([1], [32], [tail_b])[-1].argmax())]
-    for _ in range(NEW_TOKENS - 1):
-        tokens.append(int(runner.extend([1], [len(b) + len(tokens) - 1], [[tokens[-1]]])[-1].argmax()))
-    assert tokens == hf_greedy(hf, b, NEW_TOKENS)
+    assert_greedy_from_shared_prefix_matches_hf(runner, hf, config.vocab_size, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("renormalize,shared", [(False, 0), (True, 24)])
