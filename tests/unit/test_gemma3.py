@@ -48,9 +48,7 @@ def gemma3(tmp_path_factory):
 def test_gemma3_matches_hf(gemma3, use_kernels: bool) -> None:
     config, model, hf = gemma3
     assert not model.model.dense_full_attention        # the one-call CPU decoder stays off
-    runner = PagedRunner(model, config, page_size=16, num_pages=64)
-    if not use_kernels:
-        runner.backend.kernels = None
+    runner = PagedRunner(model, config, page_size=16, num_pages=64, use_kernels=use_kernels)
     assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size, TOL)
 
 

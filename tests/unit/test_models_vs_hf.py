@@ -45,13 +45,16 @@ TOL = 1e-3
 class PagedRunner:
     """Drives a model over a paged KV cache, one forward pass per call (the test's model runner)."""
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, page_size: int = 1, num_pages: int = 64):
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, page_size: int = 1, num_pages: int = 64,
+                 use_kernels: bool = True):
         self.model, self.page_size = model, page_size
         self.pool = ReqToTokenPool(8, config.context_len, "cpu")
         self.alloc = TokenToKVPoolAllocator(num_pages, page_size)
         kv_heads = config.num_kv_heads_per_rank(get_tp_size())
         self.kv = KVCache(num_pages, page_size, config.num_layers, kv_heads, config.head_dim, config.dtype, "cpu")
         self.backend = TorchNativeAttnBackend()
+        if not use_kernels:                  # the torch reference attention instead of the C++ kernels
+            self.backend.kernels = None
 
     @torch.no_grad()
     def extend(self, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]]) -> torch.Tensor:

@@ -84,9 +84,7 @@ def test_layer_kinds_follow_the_config(moe_model) -> None:
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_prefill_extend_decode_match_hf(moe_model, use_kernels: bool) -> None:
     _, _, config, model, hf = moe_model
-    runner = PagedRunner(model, config, page_size=16, num_pages=64)
-    if not use_kernels:
-        runner.backend.kernels = None
+    runner = PagedRunner(model, config, page_size=16, num_pages=64, use_kernels=use_kernels)
     assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size, TOL)
 
 
