@@ -102,8 +102,10 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     from ..models.llama import LlamaModel
 
     inner = getattr(model, "model", None)
-    if not isinstance(inner, LlamaModel) or not len(inner.layers) or not inner.dense_full_attention:
+    if not isinstance(inner, LlamaModel) or not len(inner.layers):
         return f"{type(model).__name__} is not a Llama-family model"
+    if (blocker := inner.decoder_blocker()) is not None:
+        return blocker
     if tp_size != 1:
         return "tensor parallelism"
     if not isinstance(attn_backend, TorchNativeAttnBackend) or attn_backend.kernels is None:

@@ -180,9 +180,24 @@ class LlamaModel(nn.Module):
     def dense_full_attention(self) -> bool:
         """Every layer is the plain pre-norm layer with full attention, a dense MLP and at most a
         per-head q/k norm: what the one-call CPU decoder runs."""
-        return all(layer.self_attn.attn.sliding_window_size < 0 and isinstance(layer.mlp, LlamaMLP)
-                   and layer.mlp.act == "silu" and not layer.post_norms and not layer.self_attn.qk_norm_full
-                   and self.embed_scale is None for layer in self.layers)
+        return self.decoder_blocker() is None
+
+    def decoder_blocker(self) -> str | None:
+        """What keeps the one-call CPU decoder from running this model (None: nothing)."""
+        if self.embed_scale is not None:
+            return "embedding scaling (Gemma)"
+        for layer in self.layers:
+            if layer.self_attn.attn.sliding_window_size >= 0:
+                return "sliding-window attention layers"
+            if not isinstance(layer.mlp, LlamaMLP):
+                return "a mixture-of-experts MLP"
+            if layer.mlp.act != "silu":
+                return f"a {layer.mlp.act} MLP"
+            if layer.post_norms:
+                return "post-attention / post-MLP norms"
+            if layer.self_attn.qk_norm_full:
+                return "a q/k norm over the whole projection"
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

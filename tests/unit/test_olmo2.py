@@ -39,7 +39,7 @@ def olmo2(tmp_path_factory):
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_olmo2_matches_hf(olmo2, use_kernels: bool) -> None:
     config, model, hf = olmo2
-    assert not model.model.dense_full_attention        # the one-call CPU decoder stays off
+    assert model.model.decoder_blocker() == "post-attention / post-MLP norms"   # the one-call CPU decoder stays off
     runner = PagedRunner(model, config, page_size=16, num_pages=64, use_kernels=use_kernels)
     assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size, TOL)
 
