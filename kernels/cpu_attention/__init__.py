@@ -3,9 +3,10 @@
 `load_cpu_attention()` returns the compiled module, or None (with one warning) when it is
 disabled or cannot be built; callers then use the torch code. The module has:
 
-    decode(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, num_splits, window_left=-1)
+    decode(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, num_splits, window_left=-1,
+           logit_cap=0.0)
     extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens, qo_indptr, scale,
-           window_left=-1)
+           window_left=-1, logit_cap=0.0)
     decode_num_splits(bs, max_seq_len), isa()
 
 The same two ops are registered as `torch.ops.radixlm.cpu_paged_decode` / `cpu_paged_extend`
@@ -13,7 +14,8 @@ The same two ops are registered as `torch.ops.radixlm.cpu_paged_decode` / `cpu_p
 
 Both attention ops read K/V in place through `req_to_token[req_pool_indices[b], :seq_lens[b]]`
 and write `out` (q's shape and dtype); see paged_attention.h for the exact contract. With
-`window_left` >= 0 (a sliding window), a query at position i sees only keys [i - window_left, i].
+`window_left` >= 0 (a sliding window), a query at position i sees only keys [i - window_left, i];
+with `logit_cap` > 0 (Gemma 2) each score s becomes logit_cap * tanh(s / logit_cap).
 
 Building, caching and the ISA choice (AVX512 or AVX2, `RADIXLM_CPU_KERNEL_ISA`, the
 `RADIXLM_DISABLE_CPU_KERNELS=1` switch) are shared with the other extensions: see kernels/cpu_build.py.
@@ -59,16 +61,16 @@ def _register_custom_ops(mod) -> None:
     @torch.library.custom_op("radixlm::cpu_paged_decode", mutates_args=("out",), device_types="cpu")
     def cpu_paged_decode(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
                          req_pool_indices: Tensor, seq_lens: Tensor, scale: float, num_splits: int,
-                         window_left: int = -1) -> None:
+                         window_left: int = -1, logit_cap: float = 0.0) -> None:
         _registered[0].decode(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, num_splits,
-                              window_left)
+                              window_left, logit_cap)
 
     @torch.library.custom_op("radixlm::cpu_paged_extend", mutates_args=("out",), device_types="cpu")
     def cpu_paged_extend(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
                          req_pool_indices: Tensor, prefix_lens: Tensor, seq_lens: Tensor, qo_indptr: Tensor,
-                         scale: float, window_left: int = -1) -> None:
+                         scale: float, window_left: int = -1, logit_cap: float = 0.0) -> None:
         _registered[0].extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens,
-                              qo_indptr, scale, window_left)
+                              qo_indptr, scale, window_left, logit_cap)
 
     cpu_paged_decode.register_fake(lambda *args: None)
     cpu_paged_extend.register_fake(lambda *args: None)

@@ -5,11 +5,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("decode", &radixlm_attn::decode, "paged decode attention (in place over the KV cache)", py::arg("out"),
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("window_left") = -1);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("window_left") = -1,
+        py::arg("logit_cap") = 0.0);
   m.def("extend", &radixlm_attn::extend, "paged extend attention over a cached prefix, causal", py::arg("out"),
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"),
         py::arg("prefix_lens"), py::arg("seq_lens"), py::arg("qo_indptr"), py::arg("scale"),
-        py::arg("window_left") = -1);
+        py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
   m.def("decode_num_splits", &radixlm_attn::decode_num_splits, "kv splits the decode kernel picks");
   m.def("isa", []() { return std::string(RADIXLM_ISA_NAME); }, "the SIMD path this build uses");
 }

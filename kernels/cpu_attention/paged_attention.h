@@ -14,6 +14,10 @@
 // [i - window_left, i] (FlashInfer's `window_left`; HF's sliding_window is window_left + 1); -1
 // means no window. Keys older than the window are skipped, not just masked, where whole blocks are.
 //
+// Soft-capping (Gemma 2): with logit_cap > 0 each score s = scale * q.k becomes
+// logit_cap * tanh(s / logit_cap) before the softmax (SGLang's `logit_cap`, FlashInfer's
+// `logits_soft_cap`); 0 leaves scores as they are.
+//
 // GQA: the G = heads / kv_heads query heads of a kv head are processed together, so each K/V
 // row is read once for all of them. Math is fp32 with an online softmax over key blocks of kBlk.
 // Work is split over (request, kv split) for decode (every kv head in one task: a slot's rows
@@ -56,6 +60,7 @@ struct Args {
   int64_t bs, H, KVH, G, S;     // S: kv splits (decode)
   int64_t window_left;          // -1: no sliding window
   float scale;
+  float logit_cap;              // > 0: scores soft-capped, cap * tanh(s / cap)
   bool q_bf16;
   float* part_o;                // [bs, H, S, D] when S > 1
   float* part_lse;              // [bs, H, S]
@@ -124,13 +129,13 @@ inline void prefetch_row(const kv_t* row) {
 
 // One key block [j0, j0 + n) for GB query vectors (qf, acc, s, m, l each start at this group):
 // scores, causal mask (key j is visible to vector g iff j <= lim[g], and j >= lo[g] when lo is not
-// null: the sliding window), online softmax, and PV.
+// null: the sliding window), soft-capping when cap > 0, online softmax, and PV.
 // K/V rows are read in place from their slots; the GB query vectors sit in registers so that
 // each K/V row is loaded once for all of them.
 template <typename kv_t, int D, int GB>
 inline void attend_group(const float* qf, float* acc, float* s, float* m, float* l, const int64_t* lim,
                          const int64_t* lo, const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
-                         int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next) {
+                         int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next, float cap) {
   constexpr int NV = D / fvec::N;
   // scores: s[g * kBlk + t] = qf[g] . K[slot t]; meanwhile prefetch this block's V rows and the
   // next block's K rows (slots[kBlk + t], n_next of them; 0 when this is not the first group)
@@ -148,7 +153,11 @@ inline void attend_group(const float* qf, float* acc, float* s, float* m, float*
     }
     float dots[4];
     sum4(a, dots);
-    for (int g = 0; g < GB; ++g) s[g * kBlk + t] = dots[g];
+    if (cap > 0.f) {
+      for (int g = 0; g < GB; ++g) s[g * kBlk + t] = cap * std::tanh(dots[g] / cap);
+    } else {
+      for (int g = 0; g < GB; ++g) s[g * kBlk + t] = dots[g];
+    }
   }
   float alpha[GB];
   for (int g = 0; g < GB; ++g) {
@@ -187,7 +196,8 @@ inline void attend_group(const float* qf, float* acc, float* s, float* m, float*
 template <typename kv_t, int D>
 inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m, float* l, const int64_t* lim,
                          const int64_t* lo, const kv_t* k, const kv_t* v, const int32_t* slots, int64_t j0, int n,
-                         int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next, bool first) {
+                         int64_t k_s0, int64_t k_off, int64_t v_s0, int64_t v_off, int n_next, bool first,
+                         float cap) {
   if (first) {  // nothing prefetched this block's K rows yet
     for (int t = 0; t < n; ++t) prefetch_row<D>(k + static_cast<int64_t>(slots[t]) * k_s0 + k_off);
   }
@@ -198,7 +208,7 @@ inline void attend_block(int nq, const float* qf, float* acc, float* s, float* m
 #define RADIXLM_GROUP(GB)                                                                           \
   attend_group<kv_t, D, GB>(qf + q0 * D, acc + q0 * D, s + q0 * kBlk, m + q0, l + q0, lim + q0,            \
                             lo == nullptr ? nullptr : lo + q0, k, v,                                       \
-                            slots, j0, n, k_s0, k_off, v_s0, v_off, pf)
+                            slots, j0, n, k_s0, k_off, v_s0, v_off, pf, cap)
     switch (gb) {
       case 4: RADIXLM_GROUP(4); break;
       case 3: RADIXLM_GROUP(3); break;
@@ -268,7 +278,7 @@ void decode_kernel(const Args& a) {
           const int64_t h0 = kvh * G;  // query heads [h0, h0 + G) read this kv head
           attend_block<kv_t, D>(G, w.qf.data() + h0 * D, w.acc.data() + h0 * D, w.s.data() + h0 * kBlk,
                                 w.m.data() + h0, w.l.data() + h0, w.lim.data() + h0, nullptr, k, v, tok + j0, j0, n,
-                                a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == j_begin);
+                                a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == j_begin, a.logit_cap);
         }
       }
       for (int h = 0; h < H; ++h) {
@@ -350,11 +360,11 @@ void extend_kernel(const Args& a) {
           stage_rows<D>(w.kf.data(), k, tok + j0, n, a.k_s0, kvh * a.k_s1);
           stage_rows<D>(w.vf.data(), v, tok + j0, n, a.v_s0, kvh * a.v_s1);
           attend_block<float, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(),
-                                 lo, w.kf.data(), w.vf.data(), w.iota.data(), j0, n, D, 0, D, 0, -1, false);
+                                 lo, w.kf.data(), w.vf.data(), w.iota.data(), j0, n, D, 0, D, 0, -1, false, a.logit_cap);
         } else {
           attend_block<kv_t, D>(nq, w.qf.data(), w.acc.data(), w.s.data(), w.m.data(), w.l.data(), w.lim.data(), lo,
                                 k, v, tok + j0, j0, n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next,
-                                j0 == k_begin);
+                                j0 == k_begin, a.logit_cap);
         }
       }
       for (int r = 0; r < nr; ++r)
@@ -422,6 +432,7 @@ Args make_args(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const 
   a.S = 1;
   a.window_left = -1;
   a.scale = static_cast<float>(scale);
+  a.logit_cap = 0.f;
   a.q_bf16 = q.scalar_type() == at::kBFloat16;
   return a;
 }
@@ -441,9 +452,10 @@ int64_t decode_num_splits(int64_t bs, int64_t max_seq_len) {
 
 void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
             const at::Tensor& rows, const at::Tensor& seq_lens, double scale, int64_t num_splits,
-            int64_t window_left = -1) {
+            int64_t window_left = -1, double logit_cap = 0.0) {
   Args a = make_args(out, q, k, v, table, rows, seq_lens, scale);
   a.window_left = window_left;
+  a.logit_cap = static_cast<float>(logit_cap);
   TORCH_CHECK(q.size(0) == a.bs, "decode: one query per request");
   const int D = static_cast<int>(q.size(2));
   if (a.bs == 0) return;
@@ -463,9 +475,10 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
 
 void extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
             const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& seq_lens,
-            const at::Tensor& qo_indptr, double scale, int64_t window_left = -1) {
+            const at::Tensor& qo_indptr, double scale, int64_t window_left = -1, double logit_cap = 0.0) {
   Args a = make_args(out, q, k, v, table, rows, seq_lens, scale);
   a.window_left = window_left;
+  a.logit_cap = static_cast<float>(logit_cap);
   TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.is_contiguous() && prefix_lens.numel() == a.bs,
               "prefix_lens: contiguous int64 [bs]");
   TORCH_CHECK(qo_indptr.scalar_type() == at::kLong && qo_indptr.is_contiguous() && qo_indptr.numel() == a.bs + 1,

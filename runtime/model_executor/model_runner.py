@@ -67,7 +67,7 @@ class ModelRunner:
         self.attn_backend = create_backend(
             self._pick_backend(), num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
             head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype,
-            sliding_window_sizes=self._window_sizes())
+            sliding_window_sizes=self._window_sizes(), logit_cap=self.model_config.attn_logit_softcapping or 0.0)
         self.decode_forward = self._pick_decode_forward()
         self.graph_runner = self._make_graph_runner()
 

@@ -42,7 +42,7 @@ READ_FIELDS: dict[str, str] = {
     "hidden_activation": "ModelConfig.hidden_act (Gemma's name)",
     "query_pre_attn_scalar": "ModelConfig.query_pre_attn_scalar (the attention scale)",
     "final_logit_softcapping": "ModelConfig.final_logit_softcapping",
-    "attn_logit_softcapping": "refused here when set",
+    "attn_logit_softcapping": "ModelConfig.attn_logit_softcapping (RadixAttention.logit_cap)",
     "use_bidirectional_attention": "refused here when true",
     "_sliding_window_pattern": "ModelConfig.sliding_window_layers when layer_types is absent (Gemma 3)",
     "sliding_window_pattern": "ModelConfig.sliding_window_layers (transformers 4 name)",
@@ -100,8 +100,6 @@ def unsupported_reason(arch: str, hf: dict) -> str | None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act not in ("silu", "gelu_pytorch_tanh"):
         return f"Unsupported hidden_act {act!r}; supported: silu, gelu_pytorch_tanh"
-    if hf.get("attn_logit_softcapping"):
-        return "attn_logit_softcapping (soft-capped attention scores) is not implemented"
     if hf.get("use_bidirectional_attention"):
         return "use_bidirectional_attention (non-causal attention) is not supported"
     if hf.get("is_encoder_decoder"):
@@ -127,7 +125,8 @@ def sliding_layers(arch: str, hf: dict) -> list[int]:
     Mistral, Mixtral, Phi-3: every layer when sliding_window is set. Qwen2/Qwen3 (and their MoE): none
     unless use_sliding_window; then `layer_types` when given, else layers >= max_window_layers
     (default 28); Qwen3-MoE every layer; Qwen2-MoE the even layers below max_window_layers.
-    Gemma 3: `layer_types`, else every layer but each sliding_window_pattern-th.
+    Gemma 3: `layer_types`, else every layer but each sliding_window_pattern-th; Gemma 2 the same
+    with a pattern of 2 (even layers slide).
     Llama: none (LlamaConfig has no window)."""
     window = hf.get("sliding_window")
     num_layers = int(hf.get("num_hidden_layers", 0))
@@ -135,10 +134,11 @@ def sliding_layers(arch: str, hf: dict) -> list[int]:
         return []
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return list(range(num_layers))
-    if arch == "Gemma3ForCausalLM":                 # every Nth layer global, the rest sliding
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):   # every Nth layer global, the rest sliding
         if hf.get("layer_types") is not None:
             return [i for i, t in enumerate(hf["layer_types"]) if t == "sliding_attention"]
-        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        default = 2 if arch == "Gemma2ForCausalLM" else 6
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", default)))
         return [i for i in range(num_layers) if (i + 1) % pattern != 0]
     if not hf.get("use_sliding_window", False):
         return []

@@ -5,7 +5,8 @@ and MLP); per-head q/k RMSNorm; GeGLU (gelu, tanh approximation); attention scal
 query_pre_attn_scalar ** -0.5; every sliding_window_pattern-th layer global, the others sliding
 with their own rope base (ModelConfig.local_rope_theta); tied embeddings. Gemma's RMSNorm scales by
 (1 + w): the checkpoint's norm weights get 1 added at load, so `forward` runs the plain RMSNorm.
-Attention-score soft-capping (Gemma 2) is refused at load; a final logit soft-cap is applied.
+A final logit soft-cap is applied, and attention-score soft-capping when the config sets one
+(Gemma 2, runtime/models/gemma2.py: RadixAttention's logit_cap).
 """
 
 from __future__ import annotations

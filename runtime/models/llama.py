@@ -109,7 +109,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                                    scaling=(config.query_pre_attn_scalar or head_dim) ** -0.5,
-                                   sliding_window_size=config.sliding_window_size(layer_id))
+                                   sliding_window_size=config.sliding_window_size(layer_id),
+                                   logit_cap=config.attn_logit_softcapping or 0.0)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         # hidden: [n, hidden]; q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)

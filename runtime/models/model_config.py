@@ -66,6 +66,7 @@ class ModelConfig:
     local_rope_theta: float | None = None     # Gemma 3: rope base of the sliding-window layers
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
     final_logit_softcapping: float | None = None  # logits = tanh(logits / cap) * cap
+    attn_logit_softcapping: float | None = None   # Gemma 2: attention scores s = tanh(s / cap) * cap
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
@@ -129,6 +130,8 @@ class ModelConfig:
             query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None),
             final_logit_softcapping=(float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
                                      else None),
+            attn_logit_softcapping=(float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping")
+                                    else None),
         )
 
     def sliding_window_size(self, layer_id: int) -> int:

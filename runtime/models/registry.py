@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("radixlm.runtime.models.moe", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("radixlm.runtime.models.phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("radixlm.runtime.models.olmo2", "Olmo2ForCausalLM"),
+    "Gemma2ForCausalLM": ("radixlm.runtime.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("radixlm.runtime.models.gemma3", "Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

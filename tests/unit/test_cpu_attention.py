@@ -205,7 +205,8 @@ def test_compiled_forward_keeps_kernel_in_graph():
 
 # ----------------------------------------------------------------- sliding window
 def literal_window_attention(fb: ForwardBatch, q: torch.Tensor, layer: RadixAttention) -> torch.Tensor:
-    """Per request, per query, in fp32: keys [pos - window, pos] (all of [0, pos] when window < 0)."""
+    """Per request, per query, in fp32: keys [pos - window, pos] (all of [0, pos] when window < 0),
+    scores soft-capped when the layer has a logit_cap."""
     k_buf, v_buf = fb.kv_cache.k_buffer[0].float(), fb.kv_cache.v_buffer[0].float()
     group = layer.num_heads // layer.num_kv_heads
     out, t = torch.zeros(q.shape), 0
@@ -216,6 +217,8 @@ def literal_window_attention(fb: ForwardBatch, q: torch.Tensor, layer: RadixAtte
         for pos in range(p, s):
             lo = 0 if layer.sliding_window_size < 0 else max(0, pos - layer.sliding_window_size)
             scores = torch.einsum("hd,khd->hk", q[t].float(), k[lo:pos + 1]) * layer.scaling
+            if layer.logit_cap > 0:
+                scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
             out[t] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v[lo:pos + 1])
             t += 1
     return out
@@ -249,3 +252,21 @@ def test_sliding_window_decode_split_kv(num_splits):
     KERNELS.decode(out, q, fb.kv_cache.k_buffer[0], fb.kv_cache.v_buffer[0], fb.req_to_token_pool.req_to_token,
                    fb.req_pool_indices, fb.seq_lens, layer.scaling, num_splits, window)
     check(fb, q, layer, out)
+
+
+# ----------------------------------------------------------------- soft-capped scores (Gemma 2)
+@pytest.mark.parametrize("window", [-1, 31])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_logit_cap_matches_reference(window, dtype, mode):
+    """Kernel vs the torch path, and the torch path vs a literal loop, with scores soft-capped
+    (cap * tanh(s / cap)); the cap is small enough to change the result."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    lens = EXTEND_LENS if mode == ForwardMode.EXTEND else [(s - 1, s) for s in (1, 33, 50, 257)]
+    fb, q = make_batch(lens, 16, heads, kv_heads, head_dim, dtype, seed=5, mode=mode)
+    layer = RadixAttention(0, heads, kv_heads, head_dim, 0.3, sliding_window_size=window, logit_cap=1.5)
+    check(fb, q, layer, run(fb, q, layer, kernel_backend()))
+    ref = reference(fb, q, layer)
+    torch.testing.assert_close(ref, literal_window_attention(fb, q, layer), atol=2e-5, rtol=2e-5)
+    uncapped = RadixAttention(0, heads, kv_heads, head_dim, 0.3, sliding_window_size=window)
+    assert (ref - reference(fb, q, uncapped)).abs().max() > 1e-2     # the cap did change the result

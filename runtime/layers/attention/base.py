@@ -5,6 +5,7 @@ A model's attention module computes q, k, v for the batch's new tokens and calls
 cache at `forward_batch.out_cache_loc`, then the backend attends each request's new queries over
 its whole KV (`req_to_token[row, :seq_len]`), causally within the new tokens; a layer with a
 `sliding_window_size` sees only the keys of that window. The full KV stays in the cache either way.
+A layer with `logit_cap` > 0 (Gemma 2) soft-caps its scores: s -> logit_cap * tanh(s / logit_cap).
 
 Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
 output [num_tokens, num_heads, head_dim]. Heads here are this TP rank's heads.
@@ -47,7 +48,7 @@ class RadixAttention(nn.Module):
     """Attention over the paged KV cache; holds no weights."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 sliding_window_size: int = -1):
+                 sliding_window_size: int = -1, logit_cap: float = 0.0):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -57,6 +58,7 @@ class RadixAttention(nn.Module):
         # >= 0: the query at position i sees only keys [i - sliding_window_size, i] (FlashInfer's
         # window_left, SGLang's name; HF's sliding_window is this + 1); -1: full causal attention
         self.sliding_window_size = sliding_window_size
+        self.logit_cap = logit_cap          # > 0: scores soft-capped (SGLang's name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)

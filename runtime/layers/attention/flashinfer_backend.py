@@ -33,6 +33,8 @@ FlashInfer API facts used here (from its docs and source; no code copied):
   wrapper pair (as SGLang keeps one wrapper per window kind), planned with the same metadata and
   run by the layers whose `sliding_window_size` it is. Windows are known from the constructor's
   `sliding_window_sizes` or found at the first layer that uses one (outside a CUDA-graph capture).
+- Attention soft-capping (Gemma 2): both `plan`s take `logits_soft_cap=`; one cap for the whole
+  model (the constructor's `logit_cap`), planned into every wrapper.
 - CUDA graphs: `BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
   use_tensor_cores=..., paged_kv_indptr_buffer=[bs + 1], paged_kv_indices_buffer=[max pages],
   paged_kv_last_page_len_buffer=[bs], backend=...)` has a fixed batch size; its `plan()` copies
@@ -85,7 +87,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device: torch.device | str, dtype: torch.dtype,
                  workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, sm_scale: float | None = None,
-                 sliding_window_sizes: tuple[int, ...] = ()):
+                 sliding_window_sizes: tuple[int, ...] = (), logit_cap: float = 0.0):
         reason = flashinfer_unsupported_reason(head_dim, dtype)
         if reason:
             raise ValueError(f"The flashinfer attention backend cannot run this model: {reason}; "
@@ -99,6 +101,7 @@ class FlashInferAttnBackend(AttentionBackend):
             raise RuntimeError("The flashinfer attention backend needs FlashInfer: "
                                "pip install 'radixlm[cuda]' (flashinfer-python)") from exc
         self._init_state(num_heads, num_kv_heads, head_dim, page_size, device, dtype, sm_scale)
+        self.logit_cap = logit_cap
         self._flashinfer = flashinfer
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = self._new_prefill_wrapper()
@@ -144,6 +147,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_twins: dict[int, tuple[object, dict[int, object]]] = {}  # id(graph wrapper) -> (it, twins)
         self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._kv_dtype: torch.dtype | None = None
+        self.logit_cap = 0.0                 # > 0: every layer's scores soft-capped (Gemma 2), in each plan
 
     # ------------------------------------------------------------ once per pass
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -163,14 +167,20 @@ class FlashInferAttnBackend(AttentionBackend):
                 self._plan_prefill(prefill, meta, kv_dtype, window)
         fb.attn_metadata = meta
 
-    def _plan_prefill(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype, window: int) -> None:
+    def _plan_kwargs(self, window: int) -> dict:
         kwargs = {"window_left": window} if window >= 0 else {}
+        if self.logit_cap > 0:
+            kwargs["logits_soft_cap"] = self.logit_cap
+        return kwargs
+
+    def _plan_prefill(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype, window: int) -> None:
+        kwargs = self._plan_kwargs(window)
         wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                      self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                      causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype, **kwargs)
 
     def _plan_one_decode(self, wrapper, meta: PagedMeta, kv_dtype: torch.dtype, window: int) -> None:
-        kwargs = {"window_left": window} if window >= 0 else {}
+        kwargs = self._plan_kwargs(window)
         wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                      self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                      sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=kv_dtype, **kwargs)
@@ -229,6 +239,9 @@ class FlashInferAttnBackend(AttentionBackend):
         # q: [num_tokens, num_heads, head_dim] -> out: same shape, in self.dtype
         if not isinstance(fb.attn_metadata, PagedMeta):
             raise RuntimeError("init_forward_metadata must run before the layers of a forward pass")
+        if layer.logit_cap != self.logit_cap:
+            raise RuntimeError(f"layer {layer.layer_id} soft-caps at {layer.logit_cap}, the backend was planned "
+                               f"with {self.logit_cap}")
         if layer.scaling != self.sm_scale:
             q = q * (layer.scaling / self.sm_scale)
         q = q.to(self.dtype).contiguous()

@@ -158,11 +158,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if meta.all_decode:
             fn = ops.cpu_paged_decode if ops else self.kernels.decode
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0,
-               layer.sliding_window_size)
+               layer.sliding_window_size, layer.logit_cap)
         else:
             fn = ops.cpu_paged_extend if ops else self.kernels.extend
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens, meta.seq_lens,
-               meta.qo_indptr, layer.scaling, layer.sliding_window_size)
+               meta.qo_indptr, layer.scaling, layer.sliding_window_size, layer.logit_cap)
         return out
 
     def _attend_torch(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
@@ -178,9 +178,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             qg = qg.view(g.bs, g.max_q, H, D).transpose(1, 2)                 # [bs, H, max_q, D]
             k = k_buf[g.kv_slots].transpose(1, 2).to(q.dtype)                 # [bs, KVH, max_kv, D]
             v = v_buf[g.kv_slots].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask_for(layer.sliding_window_size),
-                                               scale=layer.scaling,
-                                               enable_gqa=layer.num_heads != layer.num_kv_heads)
+            mask = g.mask_for(layer.sliding_window_size)
+            if layer.logit_cap > 0:
+                o = _soft_capped_attention(qg, k, v, mask, layer)
+            else:
+                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=layer.scaling,
+                                                   enable_gqa=layer.num_heads != layer.num_kv_heads)
             o = o.transpose(1, 2).reshape(g.bs * g.max_q, H, D)
             out[g.token_rows] = o[g.q_slot]
         return out
@@ -195,7 +198,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         k = k_buf[g.kv_slots].to(q.dtype).permute(0, 2, 3, 1)                  # [bs, KVH, D, L]
         v = v_buf[g.kv_slots].to(q.dtype).transpose(1, 2)                       # [bs, KVH, L, D]
         scores = torch.matmul(qg, k).float() * layer.scaling                    # [bs, KVH, G, L]
+        if layer.logit_cap > 0:
+            scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
         mask = g.mask_for(layer.sliding_window_size)
         scores.masked_fill_(~mask[:, :, 0, :].unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, v).reshape(bs, H, D)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           layer: RadixAttention) -> torch.Tensor:
+    """SDPA with scores soft-capped before the mask (SDPA itself cannot): q [bs, H, Q, D], k/v
+    [bs, KVH, L, D], mask [bs, 1, Q, L] -> [bs, H, Q, D]."""
+    rep = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scaling
+    scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(q.dtype)   # padded query rows: all masked
+    return torch.matmul(probs, v)
