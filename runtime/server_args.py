@@ -137,9 +137,10 @@ class ServerArgs:
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
     load_balance_method: str = _f("cache_aware", "How the DP router picks a replica.", LOAD_BALANCE_METHODS)
-    dist_init_addr: str | None = _f(None, "host:port for torch.distributed init (default: a free loopback port).")
-    nnodes: int = _f(1, "Number of nodes for tensor parallelism.")
-    node_rank: int = _f(0, "This node's rank.")
+    dist_init_addr: str | None = _f(None, "host:port for torch.distributed init: node 0's address, the same on "
+                                    "every node (default with one node: a free loopback port).")
+    nnodes: int = _f(1, "Nodes the TP group spans; each runs tp_size / nnodes ranks.")
+    node_rank: int = _f(0, "This node's rank (0 serves the HTTP API; the others run only their schedulers).")
     # --- server
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
@@ -209,7 +210,7 @@ class ServerArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = self.attention_backend or ("flashinfer" if device == "cuda" else "torch_native")
         dist_addr = self.dist_init_addr
-        if dist_addr is None and self.tp_size > 1:
+        if dist_addr is None and self.tp_size > 1 and self.nnodes == 1:     # several nodes must be told
             from .utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
@@ -226,6 +227,7 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("--tp-size and --dp-size must be >= 1")
+        self._validate_nodes()
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
@@ -245,6 +247,22 @@ class ServerArgs:
             raise ValueError("--grammar-backend llguidance is not supported; use outlines (default) or xgrammar")
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on CPU")
+
+    def _validate_nodes(self) -> None:
+        """Multi-node tensor parallelism: every node runs tp_size / nnodes TP ranks of one group."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) and --nnodes >= 1 (got {self.node_rank}, "
+                             f"{self.nnodes})")
+        if self.nnodes == 1:
+            return
+        if not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT, the same on every node (node 0's "
+                             "address, reachable from the others)")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if self.dp_size != 1:
+            raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported; put a gateway in front of "
+                             "one server per node group instead")
 
     def _validate_kv_cache_dtype(self) -> None:
         """--kv-cache-dtype may only name the dtype the model runs in (the KV cache always uses it)."""

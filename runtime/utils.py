@@ -10,6 +10,7 @@ import socket
 import sys
 
 READY_LINE = "The server is fired up and ready to roll!"   # logged once the warm-up generation worked
+WORKER_READY_LINE = "The worker node is ready"   # a node > 0 of a multi-node TP group: its schedulers are up
 
 
 def configure_logging(level: str, prefix: str) -> None:

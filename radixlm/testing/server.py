@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from radixlm.runtime.utils import READY_LINE, free_port
+from radixlm.runtime.utils import READY_LINE, WORKER_READY_LINE, free_port
 
 __all__ = ["READY_LINE", "ServerProcess", "child_pids", "descendant_pids", "free_port", "launch_server_process",
            "pid_alive", "server_cli_args"]
@@ -58,13 +58,17 @@ class ServerProcess:
         return self.proc.poll() is None
 
     def wait_ready(self, timeout: float, ready: str = "log") -> None:
-        """Blocks until ready (`ready`: "log" for READY_LINE, "health" for /health 200); on
-        failure stops the server and raises RuntimeError (it exited) or TimeoutError."""
+        """Blocks until ready (`ready`: "log" for READY_LINE, "health" for /health 200, "worker" for
+        a multi-node worker's WORKER_READY_LINE, "none" not at all); on failure stops the server and
+        raises RuntimeError (it exited) or TimeoutError."""
+        if ready == "none":
+            return
+        line = WORKER_READY_LINE if ready == "worker" else READY_LINE
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if READY_LINE in self.log() or (ready == "health" and self._healthy()):
+            if line in self.log() or (ready == "health" and self._healthy()):
                 return
             time.sleep(0.2)
         self.stop()

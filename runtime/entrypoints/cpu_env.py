@@ -58,7 +58,7 @@ def cpu_child_env(server_args: ServerArgs, env: dict[str, str]) -> tuple[dict[st
     env = dict(env)
     notes: list[str] = []
     cores = available_cores()
-    schedulers = server_args.tp_size * server_args.dp_size
+    schedulers = server_args.tp_size // server_args.nnodes * server_args.dp_size    # on this node
     threads = radixlm_env.NUM_THREADS.get(env) or max(cores // schedulers, 1)
     env[radixlm_env.NUM_THREADS.name] = str(threads)
     if server_args.device != "cpu":

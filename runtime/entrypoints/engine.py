@@ -180,6 +180,9 @@ class Engine:
         server_args_kwargs.setdefault("log_level", "error")
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args_kwargs).resolved()
         args.validate()
+        if args.node_rank != 0:
+            raise ValueError("An Engine is node 0 of a multi-node TP group; start the other nodes with "
+                             "`python -m radixlm.launch_server ... --node-rank N`")
         self.server_args = args
         self._core = EngineCore(args)
         self._finalizer = weakref.finalize(self, self._core.shutdown)

@@ -181,7 +181,8 @@ def launch_subprocesses(server_args: ServerArgs, on_child_death: Callable[[str, 
                 name = f"scheduler dp{dp_rank} tp{tp_rank}"
                 subs.children.append(_start_child(name, SCHEDULER_TARGET, env,
                                                   (replica_args, port_args, tp_rank, dp_rank)))
-        subs.children.append(_start_child("detokenizer", DETOKENIZER_TARGET, env, (server_args, port_args)))
+        if server_args.node_rank == 0:   # nodes 1.. of a multi-node TP group run schedulers only
+            subs.children.append(_start_child("detokenizer", DETOKENIZER_TARGET, env, (server_args, port_args)))
         _wait_ready(subs.children, startup_timeout)
     except BaseException:
         subs.shutdown()

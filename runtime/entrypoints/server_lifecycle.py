@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from ..server_args import ServerArgs
-from ..utils import READY_LINE, configure_logging
+from ..utils import READY_LINE, WORKER_READY_LINE, configure_logging
 from .chat_template import CHAT_TEMPLATES
 from .http_limits import HttpLimits, limited_h11_protocol
 from .http_server import ServerState, create_app
@@ -45,13 +45,17 @@ def run_server(server_args: ServerArgs) -> None:
     args = server_args.resolved()
     args.validate()
     check_chat_template_flag(args.chat_template)
-    check_port_free(args.host, args.port)
+    if args.node_rank == 0:              # other nodes of a multi-node TP group serve no HTTP
+        check_port_free(args.host, args.port)
     life = ServerLifecycle(args)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, life.on_signal)
     try:
         life.start_children()
-        _run_loop(life.serve())
+        if args.node_rank == 0:
+            _run_loop(life.serve())
+        else:
+            life.wait_as_worker_node()
     except KeyboardInterrupt:
         logger.info("Interrupted before the server was up")
     finally:
@@ -97,6 +101,16 @@ class ServerLifecycle:
         if self.subprocesses is not None:
             subprocesses, self.subprocesses = self.subprocesses, None
             subprocesses.shutdown()
+
+    def wait_as_worker_node(self) -> None:
+        """Nodes 1.. of a multi-node TP group run only their schedulers: node 0 owns the HTTP
+        server, the tokenizer and the detokenizer and broadcasts every step to all ranks. Returns
+        on a signal or when a scheduler dies (as it does when node 0 goes away)."""
+        ranks = sorted(int(n.rsplit("tp", 1)[1]) for n in self.subprocesses.processes if "scheduler" in n)
+        logger.info("%s (node %d of %d: TP ranks %s; node 0 at %s serves the API)", WORKER_READY_LINE,
+                    self.args.node_rank, self.args.nnodes, ranks, self.args.dist_init_addr)
+        while self.child_failure is None:
+            time.sleep(0.2)
 
     # ------------------------------------------------------------------ serving
     async def serve(self) -> None:

@@ -1,6 +1,6 @@
-"""Scale-out through the real processes: TP=2 over gloo equals TP=1 and HF; DP=2 with the
-cache-aware router beats round-robin on prefix hits; a dead TP rank takes the engine down; an
-idle TP=2 engine costs (almost) no CPU."""
+"""Scale-out through the real processes: TP=2 over gloo equals TP=1 and HF, also split over two
+"nodes" (two servers on loopback); DP=2 with the cache-aware router beats round-robin on prefix
+hits; a dead TP rank takes the engine down; an idle TP=2 engine costs (almost) no CPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import random
 import signal
 import time
 
+import httpx
 import pytest
 from helpers import hf_greedy, random_prompts
+from server_fixtures import REPO_ROOT, free_port, launch_server_process, start_server
 
 import radixlm
 
@@ -26,6 +28,37 @@ def test_tp2_greedy_equals_hf(tiny_models, arch):
     for out, prompt in zip(outs, prompts):
         assert out["output_ids"] == hf_greedy(path, prompt, 10)
     assert info["tp_size"] == 2
+
+
+def test_tp2_over_two_nodes_equals_hf(llama_path):
+    """--nnodes 2 on loopback: node 1 runs TP rank 1 only (no HTTP, no detokenizer), node 0 serves
+    and broadcasts each step; greedy tokens equal HF's; node 1 exits once node 0 has stopped."""
+    common = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+              "--dtype", "float32", "--max-total-tokens", "4000")
+    worker = launch_server_process(llama_path, *common, "--node-rank", "1", ready="none", cwd=REPO_ROOT)
+    try:
+        head = start_server(llama_path, *common, "--node-rank", "0")
+        try:
+            worker.wait_ready(60, "worker")
+            assert "TP ranks [1]" in worker.log() and "detokenizer" not in worker.log()
+            for prompt in random_prompts(2, 1900, seed=33):
+                r = httpx.post(head.url("/generate"), timeout=60, json={
+                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+                assert r.json()["output_ids"] == hf_greedy(llama_path, prompt, 8)
+        finally:
+            head.stop()
+        assert worker.proc.wait(30) != 0          # its scheduler lost node 0: the worker exits too
+    finally:
+        worker.stop()
+
+
+def test_multi_node_flags_are_checked(llama_path):
+    with pytest.raises(ValueError, match="dist-init-addr"):
+        radixlm.Engine(model_path=llama_path, tp_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="multiple of --nnodes"):
+        radixlm.Engine(model_path=llama_path, tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ValueError, match="launch_server"):
+        radixlm.Engine(model_path=llama_path, tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
 
 
 def test_tp_size_must_divide_heads(llama_path):
