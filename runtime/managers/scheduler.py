@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 
+from ..mem_cache.kv_event_publisher import make_kv_events
 from ..mem_cache.kv_manager import KVManager
 from ..model_executor.forward_batch import ForwardMode
 from ..model_executor.model_runner import ModelRunner
@@ -50,8 +51,11 @@ class Scheduler:
         self.args = server_args
         self.tp_rank, self.dp_rank = tp_rank, dp_rank
         self.runner = runner = ModelRunner(server_args, tp_rank, dp_rank)
+        self.kv_events, self.kv_event_publisher = make_kv_events(
+            server_args.kv_events_config, runner.page_size, str(runner.device),
+            not server_args.disable_radix_cache, tp_rank, dp_rank)
         self.kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
-                            runner.device, server_args.disable_radix_cache)
+                            runner.device, server_args.disable_radix_cache, self.kv_events)
         self.prefix_cache = self.kv.prefix_cache
         self.planner = BatchPlanner(server_args, self.kv, runner.max_running_requests)
         from transformers import AutoTokenizer
@@ -134,6 +138,7 @@ class Scheduler:
         if self.outbox:
             self.send(BatchTokenIDOut(self.outbox))
             self.outbox = []
+        self._publish_kv_events()
         now = time.monotonic()
         if now - self.last_stats > STATS_INTERVAL:
             self.last_stats = now
@@ -185,7 +190,13 @@ class Scheduler:
         if self.has_work():
             return FlushCacheOut(False, "Cannot flush the cache while requests are running or waiting")
         self.kv.flush()
+        self._publish_kv_events()
         return FlushCacheOut(True, "Cache flushed")
+
+    def _publish_kv_events(self) -> None:
+        """One batch with what the radix cache reported since the last call (--kv-events-config)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_events.take())
 
     # ------------------------------------------------------------- stats
     def gen_throughput(self) -> float:
