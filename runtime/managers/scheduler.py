@@ -21,6 +21,7 @@ import torch
 
 from ..mem_cache.kv_event_publisher import make_kv_events
 from ..mem_cache.kv_manager import KVManager
+from ..mem_cache.session_locks import SessionLocks
 from ..model_executor.forward_batch import ForwardMode
 from ..model_executor.model_runner import ModelRunner
 from ..server_args import ServerArgs
@@ -30,10 +31,12 @@ from .grammar_queue import GrammarQueue
 from .io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    CloseSessionReq,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
+    OpenSessionReq,
     SchedulerStats,
     TokenizedGenerateReq,
 )
@@ -57,6 +60,7 @@ class Scheduler:
         self.kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
                             runner.device, server_args.disable_radix_cache, self.kv_events)
         self.prefix_cache = self.kv.prefix_cache
+        self.sessions = SessionLocks(self.kv)
         self.planner = BatchPlanner(server_args, self.kv, runner.max_running_requests)
         from transformers import AutoTokenizer
 
@@ -128,7 +132,11 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.req_pool_idx is not None:
+            session_key = (req.all_ids[: req.kv_committed_len] if self.sessions.is_open(req.session_id)
+                           else None)
             self.kv.cache_finished_req(req)
+            if session_key:
+                self.sessions.hold(req.session_id, req.rid, session_key)
         self.outbox.append(self.output.make_output(req))
 
     def _flush_outputs(self) -> None:
@@ -156,6 +164,13 @@ class Scheduler:
             self._mark_abort(msg.rid, msg.message)
         elif isinstance(msg, FlushCacheReq):
             self.send(self._flush_cache())
+        elif isinstance(msg, OpenSessionReq):
+            self.sessions.open(msg.session_id, msg.capacity)
+        elif isinstance(msg, CloseSessionReq):
+            if msg.rids is None:
+                self.sessions.close(msg.session_id)
+            else:
+                self.sessions.release(msg.session_id, msg.rids)
         elif isinstance(msg, GetInternalStateReq):
             self.send(GetInternalStateOut(self.internal_state()))
         else:
@@ -189,6 +204,7 @@ class Scheduler:
     def _flush_cache(self) -> FlushCacheOut:
         if self.has_work():
             return FlushCacheOut(False, "Cannot flush the cache while requests are running or waiting")
+        self.sessions.clear()          # open sessions recompute their next turn
         self.kv.flush()
         self._publish_kv_events()
         return FlushCacheOut(True, "Cache flushed")
@@ -226,6 +242,7 @@ class Scheduler:
             "kv_request_tokens": sum(req.kv_committed_len for req in self.running),   # paging-waste baseline
             "num_preemptions": planned.num_preemptions,
             "radix_tree_tokens": self.prefix_cache.total_size(),
+            "session_locked_tokens": self.sessions.held_tokens(),
             "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,
             "late_divergence_misses": planned.late_divergence_misses,
             "last_divergence_position": planned.last_divergence_position,
@@ -233,7 +250,8 @@ class Scheduler:
         }
 
     def check_idle_invariants(self) -> None:
-        if not self.kv.is_fully_free():
+        """At idle every slot is free or evictable, unless open sessions lock some (not checked then)."""
+        if not self.sessions.held_tokens() and not self.kv.is_fully_free():
             msg = f"KV leak at idle: {self.internal_state()}"
             if self.args.debug_check_kv:
                 raise AssertionError(msg)
