@@ -85,6 +85,9 @@ class Scheduler:
         """One scheduling step: abort/timeout housekeeping, plan, forward, process."""
         self._handle_aborts()
         self.waiting.extend(self.grammar_queue.pop_ready(self._finish_early))
+        if self.waiting and not self.running and self.sessions.held_tokens():
+            head = self.waiting[0]           # sessions must not starve the pool: unlock what it lacks
+            self.sessions.reclaim(head.prompt_len + head.sampling_params.max_new_tokens)
         batch = self.planner.plan(self.running, self.waiting)
         requeue(batch, self.running, self.waiting)
         if batch.reqs:

@@ -4,7 +4,9 @@ When a request of an open session finishes, the scheduler caches its KV as for a
 then locks the tree path of its sequence here, so the session's next turn finds it whatever the
 LRU pressure. A session holds at most `capacity` tokens so (each lock counted at its full path
 length, shared prefixes included): past that, its oldest locks are dropped and those tokens fall
-back to ordinary LRU. `release` (a replaced branch), `close` and `clear` (flush) unlock.
+back to ordinary LRU. `release` (a replaced branch), `close` and `clear` (flush) unlock, and so
+does `reclaim` when a waiting request cannot fit otherwise (oldest locks of any session first), so
+sessions never starve the pool.
 
 Locks go through the KVManager (`lock`/`unlock`), so the cache's evictable/protected sizes stay
 exact. Not thread-safe: only the scheduler loop calls it.
@@ -12,6 +14,7 @@ exact. Not thread-safe: only the scheduler loop calls it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -24,7 +27,9 @@ class SessionLocks:
     def __init__(self, kv: KVManager) -> None:
         self.kv = kv
         self.capacity: dict[str, int] = {}                                   # session id -> tokens
-        self.locks: dict[str, OrderedDict[str, tuple[TreeNode, int]]] = {}   # session -> rid -> (node, len)
+        self._order = itertools.count()
+        # session id -> rid -> (locked node, its path length, the order the lock was taken in)
+        self.locks: dict[str, OrderedDict[str, tuple[TreeNode, int, int]]] = {}
 
     def open(self, session_id: str, capacity: int) -> None:
         self.capacity[session_id] = capacity
@@ -42,8 +47,8 @@ class SessionLocks:
             return
         self.kv.lock(match.last_node)
         self._unlock(held.pop(rid, None))
-        held[rid] = (match.last_node, length)
-        while sum(n for _, n in held.values()) > self.capacity[session_id]:
+        held[rid] = (match.last_node, length, next(self._order))
+        while sum(entry[1] for entry in held.values()) > self.capacity[session_id]:
             self._unlock(held.popitem(last=False)[1])
 
     def release(self, session_id: str, rids: list[str]) -> None:
@@ -63,9 +68,18 @@ class SessionLocks:
                 self._unlock(entry)
             held.clear()
 
-    def held_tokens(self) -> int:
-        return sum(n for held in self.locks.values() for _, n in held.values())
+    def reclaim(self, needed: int) -> None:
+        """Unlocks the oldest locks (in the order they were taken, across sessions) until `needed`
+        slots are free or evictable, or no lock is left."""
+        order = sorted(((entry[2], sid, rid) for sid, held in self.locks.items() for rid, entry in held.items()))
+        for _, sid, rid in order:
+            if self.kv.available_tokens() >= needed:
+                return
+            self._unlock(self.locks[sid].pop(rid))
 
-    def _unlock(self, entry: tuple[TreeNode, int] | None) -> None:
+    def held_tokens(self) -> int:
+        return sum(entry[1] for held in self.locks.values() for entry in held.values())
+
+    def _unlock(self, entry: tuple[TreeNode, int, int] | None) -> None:
         if entry is not None:
             self.kv.unlock(entry[0])

@@ -96,3 +96,15 @@ def test_bad_session_ids_are_clear_400s(server):
     again = httpx.post(server.url("/close_session"), json={"session_id": sid}, timeout=10)
     assert again.status_code == 400 and "Unknown session id" in again.json()["error"]["message"]
     assert wait_kv_free(server)["kv_fully_free"]
+
+
+def test_locked_sessions_never_starve_the_pool(server):
+    rng = random.Random(3)
+    sid = _open(server, 1000)
+    assert _gen(server, _ids(rng, 600), {"id": sid}).status_code == 200
+    assert kv_state(server)["session_locked_tokens"] >= 600         # the session holds most of the pool
+    r = _gen(server, _ids(rng, 600))                                 # needs more than is left unlocked
+    assert r.status_code == 200, r.text
+    assert kv_state(server)["session_locked_tokens"] == 0            # the session's lock gave way
+    assert httpx.post(server.url("/close_session"), json={"session_id": sid}, timeout=10).status_code == 200
+    assert wait_kv_free(server)["kv_fully_free"]
