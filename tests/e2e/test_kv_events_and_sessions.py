@@ -1,20 +1,49 @@
-"""Sessions through a real server: `/open_session`, `/close_session`, `session_params` on `/generate`.
+"""KV-cache events and sessions through one real server (page size 4, a 1024-token pool, events on).
 
-A continuation by rid equals the same conversation sent in full (greedy), without re-sending it,
-and finds its prefix in the cache even after other traffic overflowed the small pool (the session
-locks it); a branch at an offset starts from that many tokens; `replace` drops the replaced
-branch; closing frees every KV slot; bad ids are clear 400s that leak nothing.
+KV events (`--kv-events-config`, ZeroMQ, vLLM's wire format): a subscriber that joins after the
+server started rebuilds the cache from the events alone (the replay socket gives it what it
+missed, the live stream the rest) and finds what the tree holds: the same token count as the
+scheduler's tree, every recent prompt's page-aligned prefix, blocks removed when the small pool
+forced evictions, and nothing after /flush_cache.
+
+Sessions (`/open_session`, `/close_session`, `session_params` on `/generate`): a continuation by
+rid equals the same conversation sent in full (greedy), without re-sending it, and finds its
+prefix in the cache even after other traffic overflowed the pool (the session locks it); a branch
+at an offset starts from that many tokens; `replace` drops the replaced branch; closing frees
+every KV slot; locks give way rather than starve the pool; bad ids are clear 400s that leak nothing.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import tempfile
 
 import httpx
-from server_fixtures import kv_state, server_fixture, wait_kv_free
+import pytest
+from server_fixtures import kv_state, start_server, wait_kv_free
 
-server = server_fixture("--dtype", "float32", "--max-total-tokens", "1024")
+from radixlm.testing.kv_events import BlockIndex, KVEventSubscriber
+
+PAGE = 4
+TOPIC = "kv-events"
 GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def events_server(llama_path):
+    with tempfile.TemporaryDirectory(prefix="radixlm-kv-events-") as d:
+        config = {"publisher": "zmq", "endpoint": f"ipc://{d}/pub", "replay_endpoint": f"ipc://{d}/replay",
+                  "topic": TOPIC}
+        srv = start_server(llama_path, "--dtype", "float32", "--page-size", str(PAGE), "--max-total-tokens", "1024",
+                           "--kv-events-config", json.dumps(config))
+        yield srv, config
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(events_server):
+    return events_server[0]
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -28,6 +57,11 @@ def _gen(srv, ids: list[int], session: dict | None = None, rid: str | None = Non
     return httpx.post(srv.url("/generate"), json=body, timeout=60)
 
 
+def _tokens(index: BlockIndex) -> int:
+    return sum(len(tokens) for _, tokens in index.blocks.values())
+
+
+# ------------------------------------------------------------------------------ sessions
 def _open(srv, capacity: int) -> str:
     r = httpx.post(srv.url("/open_session"), json={"capacity_of_str_len": capacity}, timeout=10)
     assert r.status_code == 200, r.text
@@ -108,3 +142,37 @@ def test_locked_sessions_never_starve_the_pool(server):
     assert kv_state(server)["session_locked_tokens"] == 0            # the session's lock gave way
     assert httpx.post(server.url("/close_session"), json={"session_id": sid}, timeout=10).status_code == 200
     assert wait_kv_free(server)["kv_fully_free"]
+
+
+# ------------------------------------------------------------------------------ KV events
+def test_subscriber_rebuilds_the_cache_from_events(events_server):
+    srv, config = events_server
+    rng = random.Random(0)
+    shared = [rng.randrange(10, 1900) for _ in range(60)]
+    prompts = [shared + [rng.randrange(10, 1900) for _ in range(40)] for _ in range(3)]
+    prompts += [[rng.randrange(10, 1900) for _ in range(250)] for _ in range(4)]   # > 1024 tokens in all
+    for ids in prompts:
+        assert _gen(srv, ids).status_code == 200
+    wait_kv_free(srv)
+    tree_tokens = kv_state(srv)["radix_tree_tokens"]
+
+    index = BlockIndex()
+    with KVEventSubscriber(config["endpoint"], config["replay_endpoint"], TOPIC) as sub:
+        assert sub.replay(index) > 0                                   # joined late: the replay has it all
+        sub.drain(index, until=lambda: _tokens(index) == tree_tokens)
+        assert index.stored > 0 and index.removed > 0, (index.stored, index.removed)   # evictions happened
+        prefixes = index.prefixes()
+        for ids in prompts[-2:]:                                       # the newest are still cached
+            aligned = len(ids) // PAGE * PAGE
+            assert tuple(ids[:aligned]) in prefixes
+        assert tuple(prompts[0][:len(prompts[0]) // PAGE * PAGE]) not in prefixes   # the oldest went
+
+        assert _gen(srv, prompts[0]).status_code == 200                                     # live events after the replay
+        wait_kv_free(srv)
+        tree_tokens = kv_state(srv)["radix_tree_tokens"]
+        sub.drain(index, until=lambda: _tokens(index) == tree_tokens
+                  and tuple(prompts[0][:len(prompts[0]) // PAGE * PAGE]) in index.prefixes())
+
+        assert httpx.post(srv.url("/flush_cache"), timeout=30).status_code == 200
+        sub.drain(index, until=lambda: not index.blocks)
+        assert kv_state(srv)["radix_tree_tokens"] == 0
