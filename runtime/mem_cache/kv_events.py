@@ -165,7 +165,9 @@ class KVEventsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--kv-events-config: {name} must be a positive integer")
-        for name in ("endpoint", "replay_endpoint", "topic"):
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ValueError("--kv-events-config: endpoint must be a ZeroMQ address such as tcp://*:5557")
+        for name in ("replay_endpoint", "topic"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"--kv-events-config: {name} must be a string")

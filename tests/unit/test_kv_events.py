@@ -48,6 +48,7 @@ def test_block_hash_is_the_documented_one() -> None:
 @pytest.mark.parametrize("text, message", [
     ("{", "not valid JSON"), ("[]", "JSON object"), ('{"publisher": "kafka"}', "publisher"),
     ('{"endpont": "tcp://*:1"}', "unknown field"), ('{"buffer_steps": 0}', "buffer_steps"),
+    ('{"endpoint": null}', "endpoint"), ('{"topic": 5}', "topic"),
 ])
 def test_bad_config_is_refused_with_the_reason(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
