@@ -80,6 +80,10 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _f(1.0, "Scales the reserved decode-growth estimate (higher is safer).")
     disable_radix_cache: bool = _f(False, "Turn off prefix caching (ChunkCache).")
+    kv_events_config: str | None = _f(None, "Publish KV-cache events for KV-aware routers: a JSON object as "
+                                      "vLLM's/SGLang's, e.g. '{\"publisher\": \"zmq\", \"endpoint\": "
+                                      "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+                                      "\"kv-events\"}' (README, KV-cache events).")
     max_queued_requests: int | None = _f(None, "Reject new requests with 503 when this many are waiting.")
     request_timeout: float | None = _f(None, "Abort requests that run longer than this many seconds.")
     max_request_bytes: int = _f(8 * 1024 * 1024, "Refuse HTTP bodies larger than this with 413.")
@@ -243,6 +247,10 @@ class ServerArgs:
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()
+        if self.kv_events_config is not None:
+            from .mem_cache.kv_events import KVEventsConfig
+
+            KVEventsConfig.from_json(self.kv_events_config)
         if self.grammar_backend == "llguidance":
             raise ValueError("--grammar-backend llguidance is not supported; use outlines (default) or xgrammar")
         if self.attention_backend == "flashinfer" and self.device == "cpu":

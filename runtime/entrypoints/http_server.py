@@ -42,8 +42,10 @@ from .openai_format import DONE, SSEResponse, sse
 from .openai_protocol import (
     AbortRequest,
     ChatCompletionRequest,
+    CloseSessionRequest,
     CompletionRequest,
     GenerateRequest,
+    OpenSessionRequest,
 )
 from .server_info import health_generate, server_info, worker_load
 from .tokenize_routes import add_tokenize_routes
@@ -134,6 +136,21 @@ def _add_native_routes(app: FastAPI, st: ServerState) -> None:
             raise APIError(400, "abort_request needs 'rid' (or 'abort_all': true)", param="rid")
         st.tm.abort_request("" if body.abort_all else body.rid)
         return json_response({"success": True})
+
+    @app.post("/open_session")           # SGLang's: answers the new session's id as a JSON string
+    async def open_session(body: OpenSessionRequest) -> Response:
+        try:
+            return json_response(st.tm.open_session(body.capacity_of_str_len, body.session_id))
+        except ValueError as e:
+            raise APIError(400, str(e), param="session_id") from None
+
+    @app.post("/close_session")
+    async def close_session(body: CloseSessionRequest) -> Response:
+        try:
+            st.tm.close_session(body.session_id)
+        except ValueError as e:
+            raise APIError(400, str(e), param="session_id") from None
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -130,6 +130,20 @@ class GenerateRequest(BaseModel):
     stream: StrictBool | None = None
     priority: StrictInt | None = None
     timeout: Number | None = None
+    session_params: dict[str, Any] | None = None
+
+
+class OpenSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    capacity_of_str_len: StrictInt
+    session_id: StrictStr | None = None
+
+
+class CloseSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    session_id: StrictStr
 
 
 class AbortRequest(BaseModel):

@@ -28,6 +28,19 @@ class TokenizedGenerateReq:
     priority: int = 0                    # larger runs first under --schedule-policy priority
     group_rid: str | None = None         # n > 1: siblings share one prefill of the prompt
     timeout: float | None = None         # seconds since arrival before the scheduler aborts it
+    session_id: str | None = None        # an open session: its KV stays locked after it finishes
+
+
+@dataclass
+class OpenSessionReq:
+    session_id: str
+    capacity: int                        # tokens the session may keep locked in the radix tree
+
+
+@dataclass
+class CloseSessionReq:
+    session_id: str
+    rids: list[str] | None = None        # None: close the session; else unlock these requests' KV
 
 
 @dataclass
@@ -170,3 +183,4 @@ class GenerateReqInput:
     stream: bool | None = None
     priority: int | None = None
     timeout: float | None = None
+    session_params: dict | None = None   # {id, rid, offset, replace, drop_previous_output} (sessions.py)

@@ -37,6 +37,7 @@ class Req:
     stream: bool = False
     priority: int = 0
     group_rid: str | None = None
+    session_id: str | None = None        # an open session keeps this request's KV locked when it finishes
     deadline: float | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -72,7 +73,7 @@ class Req:
         return Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                    return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                    top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, priority=msg.priority,
-                   group_rid=msg.group_rid,
+                   group_rid=msg.group_rid, session_id=msg.session_id,
                    deadline=time.monotonic() + msg.timeout if msg.timeout else None)
 
     # ------------------------------------------------------------ lengths

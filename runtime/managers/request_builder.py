@@ -9,6 +9,7 @@ routes and Engine.generate build) into wire requests, in one pass:
                                refused without tokenizing the rest
     _split_items               single vs batch: one single-prompt GenerateReqInput per prompt
     encode_texts               text -> token ids (all texts of the request in one call)
+    sessions.resolve           session_params: the input grows by the conversation it continues
     _make_reqs                 token ids, sampling params and lengths checked; n > 1 expanded
 
 Every problem is a ValueError with a message a client can act on, raised before anything is sent.
@@ -37,6 +38,7 @@ from ..sampling_params import MODEL_DEFAULT_KEYS, SamplingParams
 from ..server_args import ServerArgs
 from .io_struct import GenerateReqInput, TokenizedGenerateReq
 from .request_validation import check_logprob_start, input_size, validate_generate_fields
+from .sessions import SessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class RequestBuilder:
         self.sampling_defaults = (model_sampling_defaults(server_args.model_path)
                                   if server_args.sampling_defaults == "model" else {})
         self._pool: ThreadPoolExecutor | None = None
+        self.sessions: SessionStore | None = None    # set by the TokenizerManager
 
     async def build(self, obj: GenerateReqInput) -> Built:
         """(wire requests with n > 1 expanded, is a single request, return_text_in_logprobs), built on
@@ -83,12 +86,22 @@ class RequestBuilder:
         texts = [it.text for it in items if it.text is not None]
         encoded = iter(encode_texts(self.tokenizer, texts)) if texts else iter(())
         reqs: list[TokenizedGenerateReq] = []
+        session = obj.session_params
+        if session is not None and (not is_single or self.sessions is None):
+            raise ValueError("session_params takes a single prompt, not a batch" if self.sessions is not None
+                             else "Sessions are not available here")
         for i, it in enumerate(items):
             ids = list(next(encoded)) if it.text is not None else it.input_ids
             try:
+                if session is not None:
+                    ids = self.sessions.resolve(session, ids)
                 reqs.extend(self._make_reqs(it, ids))
             except ValueError as e:
                 raise ValueError(f"{'' if is_single else f'item {i}: '}{e}") from None
+        if session is not None:
+            if len(reqs) != 1:
+                raise ValueError("session_params needs n = 1 (one continuation per request)")
+            reqs[0].session_id = session["id"]
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             raise ValueError("Duplicate request id (rid) among the requests in flight")

@@ -10,7 +10,7 @@ Every problem is a ValueError whose message names the field and never echoes the
 functions; check_extra_fields also logs (debug) the names of fields it ignores.
 
 SGLang's GenerateReqInput has many fields radixlm does not act on (radixlm implements text /
-input_ids, sampling_params, rid, the logprob fields, stream, priority and timeout). Every other
+input_ids, sampling_params, rid, the logprob fields, stream, priority, timeout and session_params). Every other
 field of SGLang's is accepted by `/generate`:
 
 - METADATA_FIELDS are hints with no effect on the output (tracing, logging, routing labels): any
@@ -156,7 +156,7 @@ UNSET_VALUES: dict[str, Any] = {
         "use_audio_in_video", "video_config", "watermark", "token_ids_logprob", "return_sampling_mask",
         "sampling_logprobs_mode", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
         "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_routed_experts",
-        "return_indexer_topk", "modalities", "session_params", "lora_path", "lora_id",
+        "return_indexer_topk", "modalities", "lora_path", "lora_id",
         "custom_logit_processor", "positional_embed_overrides", "bootstrap_host", "bootstrap_port",
         "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "background", "require_reasoning",
         "max_thinking_tokens", "return_bytes", "return_entropy", "return_prompt_token_ids",

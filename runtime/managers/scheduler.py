@@ -19,7 +19,9 @@ from collections import deque
 
 import torch
 
+from ..mem_cache.kv_event_publisher import make_kv_events
 from ..mem_cache.kv_manager import KVManager
+from ..mem_cache.session_locks import SessionLocks
 from ..model_executor.forward_batch import ForwardMode
 from ..model_executor.model_runner import ModelRunner
 from ..server_args import ServerArgs
@@ -29,10 +31,12 @@ from .grammar_queue import GrammarQueue
 from .io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    CloseSessionReq,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
+    OpenSessionReq,
     SchedulerStats,
     TokenizedGenerateReq,
 )
@@ -50,9 +54,13 @@ class Scheduler:
         self.args = server_args
         self.tp_rank, self.dp_rank = tp_rank, dp_rank
         self.runner = runner = ModelRunner(server_args, tp_rank, dp_rank)
+        self.kv_events, self.kv_event_publisher = make_kv_events(
+            server_args.kv_events_config, runner.page_size, str(runner.device),
+            not server_args.disable_radix_cache, tp_rank, dp_rank)
         self.kv = KVManager(runner.num_pages, runner.page_size, runner.max_running_requests, runner.context_len,
-                            runner.device, server_args.disable_radix_cache)
+                            runner.device, server_args.disable_radix_cache, self.kv_events)
         self.prefix_cache = self.kv.prefix_cache
+        self.sessions = SessionLocks(self.kv)
         self.planner = BatchPlanner(server_args, self.kv, runner.max_running_requests)
         from transformers import AutoTokenizer
 
@@ -77,6 +85,9 @@ class Scheduler:
         """One scheduling step: abort/timeout housekeeping, plan, forward, process."""
         self._handle_aborts()
         self.waiting.extend(self.grammar_queue.pop_ready(self._finish_early))
+        if self.waiting and not self.running and self.sessions.held_tokens():
+            head = self.waiting[0]           # sessions must not starve the pool: unlock what it lacks
+            self.sessions.reclaim(head.prompt_len + head.sampling_params.max_new_tokens)
         batch = self.planner.plan(self.running, self.waiting)
         requeue(batch, self.running, self.waiting)
         if batch.reqs:
@@ -124,7 +135,11 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.req_pool_idx is not None:
+            session_key = (req.all_ids[: req.kv_committed_len] if self.sessions.is_open(req.session_id)
+                           else None)
             self.kv.cache_finished_req(req)
+            if session_key:
+                self.sessions.hold(req.session_id, req.rid, session_key)
         self.outbox.append(self.output.make_output(req))
 
     def _flush_outputs(self) -> None:
@@ -134,6 +149,7 @@ class Scheduler:
         if self.outbox:
             self.send(BatchTokenIDOut(self.outbox))
             self.outbox = []
+        self._publish_kv_events()
         now = time.monotonic()
         if now - self.last_stats > STATS_INTERVAL:
             self.last_stats = now
@@ -151,6 +167,13 @@ class Scheduler:
             self._mark_abort(msg.rid, msg.message)
         elif isinstance(msg, FlushCacheReq):
             self.send(self._flush_cache())
+        elif isinstance(msg, OpenSessionReq):
+            self.sessions.open(msg.session_id, msg.capacity)
+        elif isinstance(msg, CloseSessionReq):
+            if msg.rids is None:
+                self.sessions.close(msg.session_id)
+            else:
+                self.sessions.release(msg.session_id, msg.rids)
         elif isinstance(msg, GetInternalStateReq):
             self.send(GetInternalStateOut(self.internal_state()))
         else:
@@ -184,8 +207,15 @@ class Scheduler:
     def _flush_cache(self) -> FlushCacheOut:
         if self.has_work():
             return FlushCacheOut(False, "Cannot flush the cache while requests are running or waiting")
+        self.sessions.clear()          # open sessions recompute their next turn
         self.kv.flush()
+        self._publish_kv_events()
         return FlushCacheOut(True, "Cache flushed")
+
+    def _publish_kv_events(self) -> None:
+        """One batch with what the radix cache reported since the last call (--kv-events-config)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_events.take())
 
     # ------------------------------------------------------------- stats
     def gen_throughput(self) -> float:
@@ -215,6 +245,7 @@ class Scheduler:
             "kv_request_tokens": sum(req.kv_committed_len for req in self.running),   # paging-waste baseline
             "num_preemptions": planned.num_preemptions,
             "radix_tree_tokens": self.prefix_cache.total_size(),
+            "session_locked_tokens": self.sessions.held_tokens(),
             "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,
             "late_divergence_misses": planned.late_divergence_misses,
             "last_divergence_position": planned.last_divergence_position,
@@ -222,7 +253,8 @@ class Scheduler:
         }
 
     def check_idle_invariants(self) -> None:
-        if not self.kv.is_fully_free():
+        """At idle every slot is free or evictable, unless open sessions lock some (not checked then)."""
+        if not self.sessions.held_tokens() and not self.kv.is_fully_free():
             msg = f"KV leak at idle: {self.internal_state()}"
             if self.args.debug_check_kv:
                 raise AssertionError(msg)

@@ -8,6 +8,9 @@ One request's path through it:
     _recv_loop     BatchStrOut from the detokenizer: append text/ids/logprobs, wake the waiter
     generate       yields SGLang-shaped dicts: one at the end, or cumulative chunks when streaming
 
+Sessions (sessions.py): it keeps each open session's conversation tree and tells the schedulers
+to open / close a session's KV locks (OpenSessionReq / CloseSessionReq, in order with the requests).
+
 It also sends aborts and control requests (flush cache, internal state), keeps the latest
 SchedulerStats, feeds the optional metrics collector, and fails every pending request when the
 watchdog reports a dead child (`fail_all`).
@@ -43,6 +46,7 @@ from .io_struct import (
 from .ipc import AsyncPuller, AsyncPusher, PortArgs
 from .req_state import MemoryTrimmer, ReqState, RidRegistry, TokenTexts, charge_output, over_budget
 from .request_builder import RequestBuilder
+from .sessions import SessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,8 @@ class TokenizerManager:
         self.max_total_tokens: int | None = scheduler_info.get("max_total_tokens")
         self.builder = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
                                       self.max_total_tokens)
+        self.sessions = SessionStore(getattr(self.tokenizer, "bos_token_id", None), self._send_all)
+        self.builder.sessions = self.sessions
         self.ctx = zmq.asyncio.Context()
         self.puller = AsyncPuller(self.ctx, port_args.tokenizer_input)
         self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
@@ -128,7 +134,14 @@ class TokenizerManager:
         states = [ReqState(r.rid, i, queue, r.return_logprob, text_in_logprobs, len(r.input_ids),
                            stream=bool(obj.stream)) for i, r in enumerate(reqs)]
         await self.rids.reserve(states)     # ValueError (400) for a rid in use
-        self._check_alive()
+        try:
+            self._check_alive()
+            if obj.session_params is not None:
+                self.sessions.commit_and_announce(obj.session_params, reqs[0].rid, reqs[0].input_ids)
+        except (ValueError, RuntimeError):
+            for st in states:
+                self.rids.release(st, draining=False)
+            raise
         self._send_generate(reqs)
         watcher = asyncio.create_task(self._watch_disconnect(request, states)) if request is not None else None
         try:
@@ -143,6 +156,17 @@ class TokenizerManager:
             if watcher is not None:
                 watcher.cancel()
             self._release(states)
+
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        """Opens a session and returns its id (ValueError for a bad capacity or an id in use)."""
+        self.start()
+        self._check_alive()
+        return self.sessions.open_and_announce(capacity_of_str_len, session_id)
+
+    def close_session(self, session_id: str) -> None:
+        """Closes a session: its KV falls back to ordinary LRU (ValueError for an unknown id)."""
+        self.start()
+        self.sessions.close_and_announce(session_id)
 
     async def _wait_finished(self, states: list[ReqState]) -> None:
         """Returns once every state finished (raises RuntimeError on a runtime failure). Looks only at
@@ -287,6 +311,7 @@ class TokenizerManager:
         self._check_budget(st, tok, item.text_delta)
         if tok.finish_reason is not None:
             st.finish_reason = dict(tok.finish_reason)
+            self.sessions.on_finished(st.rid, st.output_ids)
             if self.server_args.log_requests:
                 logger.info("finished %s: %s, %r", st.rid, st.finish_reason, st.text)
         st.notify.put_nowait(st.index)

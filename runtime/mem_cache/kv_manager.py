@@ -36,6 +36,7 @@ from .base_cache import BasePrefixCache, InsertResult, MatchResult
 from .memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, new_slots_needed
 
 if TYPE_CHECKING:
+    from .kv_events import KVEventRecorder
     from .tree_node import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -53,14 +54,17 @@ class KVReq(Protocol):
     last_node: TreeNode | None     # node this request has locked
 
 
-def make_prefix_cache(disable_radix_cache: bool, page_size: int, device: str | torch.device) -> BasePrefixCache:
+def make_prefix_cache(disable_radix_cache: bool, page_size: int, device: str | torch.device,
+                      events: KVEventRecorder | None = None) -> BasePrefixCache:
+    """The radix cache (reporting to `events` when given), or ChunkCache, which caches nothing
+    and so has no events to report."""
     if disable_radix_cache:
         from .chunk_cache import ChunkCache
 
         return ChunkCache(page_size, device)
     from .radix_cache import RadixCache
 
-    return RadixCache(page_size, device)
+    return RadixCache(page_size, device, events)
 
 
 def write_slots(table: torch.Tensor, rows: list[int], starts: list[int], ends: list[int],
@@ -86,11 +90,12 @@ def write_slots(table: torch.Tensor, rows: list[int], starts: list[int], ends: l
 
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, max_running_requests: int, context_len: int,
-                 device: str | torch.device, disable_radix_cache: bool = False):
+                 device: str | torch.device, disable_radix_cache: bool = False,
+                 kv_events: KVEventRecorder | None = None):
         self.page_size = page_size
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, device)
         self.allocator = TokenToKVPoolAllocator(num_pages, page_size, device)
-        self.prefix_cache = make_prefix_cache(disable_radix_cache, page_size, device)
+        self.prefix_cache = make_prefix_cache(disable_radix_cache, page_size, device, kv_events)
         # row -> (end, slot of token end-1) as `alloc_extend` last wrote it: a host copy, so that
         # continuing a partly filled page (page_size > 1) reads no slot back from a device table
         self._tail_slot: dict[int, tuple[int, int]] = {}

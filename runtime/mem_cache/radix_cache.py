@@ -7,6 +7,10 @@ first page, and keys are compared page by page, so a node never ends inside a KV
 Sizes: every cached token is either evictable (its node has `lock_ref == 0`) or protected.
 Locks propagate: `inc_lock_ref(node)` locks the whole path from `node` to the root, so an unlocked
 node never has a locked descendant and eviction only has to look at unlocked leaves.
+
+KV events (`events`, a KVEventRecorder; kv_events.py): a new leaf is announced as BlockStored, an
+evicted leaf as BlockRemoved, `reset` as AllBlocksCleared. Each node then keeps the hash of every
+page of its key (`block_hashes`), split along with the node.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ import torch
 
 from ..utils import align_down
 from .base_cache import BasePrefixCache, InsertResult, MatchResult, PeekResult
+from .kv_events import KVEventRecorder, chain_hashes
 from .tree_node import TreeNode
 
 
 class RadixCache(BasePrefixCache):
     """Prefix cache over paged KV. See `BasePrefixCache` for the ownership and locking contract."""
 
-    def __init__(self, page_size: int, device: str | torch.device = "cpu"):
+    def __init__(self, page_size: int, device: str | torch.device = "cpu", events: KVEventRecorder | None = None):
         self.page_size = page_size
         self.device = device
+        self.events = events
         self.reset()
 
     def reset(self) -> None:
@@ -34,6 +40,8 @@ class RadixCache(BasePrefixCache):
         self.root.lock_ref = 1               # never evictable, never counted
         self._evictable_size = 0
         self._protected_size = 0
+        if self.events is not None:
+            self.events.cleared()
 
     # ----------------------------------------------------------- matching and inserting
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -198,6 +206,9 @@ class RadixCache(BasePrefixCache):
         upper.last_access = child.last_access
         parent.children[self._child_key(child.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        if child.block_hashes:
+            pages = n // self.page_size
+            upper.block_hashes, child.block_hashes = child.block_hashes[:pages], child.block_hashes[pages:]
         upper.children[self._child_key(child.key)] = child
         return upper
 
@@ -205,6 +216,10 @@ class RadixCache(BasePrefixCache):
         leaf = TreeNode(list(key), value.clone(), parent)
         parent.children[self._child_key(key)] = leaf
         self._evictable_size += len(key)
+        if self.events is not None:
+            parent_hash = parent.block_hashes[-1] if parent.block_hashes else None
+            leaf.block_hashes = chain_hashes(parent_hash, leaf.key, self.page_size)
+            self.events.stored(parent_hash, leaf.block_hashes, leaf.key)
         return leaf
 
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
@@ -212,6 +227,8 @@ class RadixCache(BasePrefixCache):
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         del parent.children[self._child_key(leaf.key)]
         self._evictable_size -= len(leaf.key)
+        if self.events is not None:
+            self.events.removed(leaf.block_hashes)
         return parent
 
     def _nodes(self) -> Iterator[TreeNode]:

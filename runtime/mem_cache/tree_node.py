@@ -22,6 +22,7 @@ class TreeNode:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0                    # number of requests holding this node or a descendant
         self.last_access = next(_access_clock)
+        self.block_hashes: list[int] = []    # KV-event hash of each page (only when events are on)
 
     def touch(self) -> None:
         self.last_access = next(_access_clock)

@@ -4,7 +4,10 @@ A hypothesis state machine drives random insert / match / lock / unlock / evict 
 compares the tree against a plain reference model: a dict from every cached page-aligned prefix
 (a tuple of token ids) to the KV slots of its last page (one slot when page_size is 1). The tree
 never frees: the test frees what `insert` leaves and what `evict` returns, through an allocator
-that fails on a double free. Unit tests cover KVManager's request-level helpers over both caches.
+that fails on a double free. In the events machines the tree reports KV events all along: a
+`BlockIndex` fed with them alone must hold exactly the reference's prefixes after every step
+(and every hash must be the documented one). Unit tests cover KVManager's
+request-level helpers over both caches.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixlm.runtime.mem_cache.chunk_cache import ChunkCache
+from radixlm.runtime.mem_cache.kv_events import KVEventRecorder
 from radixlm.runtime.mem_cache.kv_manager import KVManager
 from radixlm.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.mem_cache.tree_node import TreeNode
+from radixlm.testing.kv_events import BlockIndex
 
 Prefix = tuple[int, ...]
 PageSlots = tuple[int, ...]
@@ -125,10 +130,14 @@ PAGES = {
 class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     num_pages = 40
+    with_events = False
 
     def __init__(self) -> None:
         super().__init__()
         self.cache, self.allocator = make_cache(self.page_size, self.num_pages)
+        if self.with_events:
+            self.cache.events = KVEventRecorder(self.page_size, "CPU")
+        self.index = BlockIndex()
         self.ref: dict[Prefix, PageSlots] = {}
         self.locks: list[tuple[TreeNode, Prefix]] = []
 
@@ -217,6 +226,14 @@ class CacheMachine(RuleBasedStateMachine):
         assert tree_contents(self.cache) == self.ref
 
     @invariant()
+    def events_rebuild_the_tree(self) -> None:
+        if not self.with_events:
+            return
+        for event in self.cache.events.take():
+            self.index.apply(event)
+        assert self.index.prefixes() == set(self.ref)
+
+    @invariant()
     def sizes_add_up(self) -> None:
         cache = self.cache
         P = self.page_size
@@ -253,6 +270,21 @@ TestRadixCachePage1 = CacheMachine.TestCase
 TestRadixCachePage1.settings = _machine_settings
 TestRadixCachePage4 = CacheMachinePage4.TestCase
 TestRadixCachePage4.settings = _machine_settings
+
+
+class CacheMachineEvents(CacheMachine):
+    with_events = True
+
+
+class CacheMachineEventsPage4(CacheMachinePage4):
+    with_events = True
+
+
+_events_settings = settings(_machine_settings, max_examples=30)
+TestKVEventsPage1 = CacheMachineEvents.TestCase
+TestKVEventsPage1.settings = _events_settings
+TestKVEventsPage4 = CacheMachineEventsPage4.TestCase
+TestKVEventsPage4.settings = _events_settings
 
 
 # ---------------------------------------------------------------- focused unit tests
