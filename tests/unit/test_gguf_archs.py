@@ -1,0 +1,208 @@
+"""GGUF files beyond Llama: Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Phi-3 and Gemma 3, against transformers.
+
+For each architecture a tiny random HF model (initializer_range 0.1, untied embeddings except
+Gemma 3, which ties them) is written to a GGUF file here as llama.cpp's converter writes it
+(tests/tiny_gguf.py: metadata keys, tensor names from the gguf package's own map, the converter's
+transforms), in F32 and in Q8_0. The file is loaded by path (ModelConfig.from_path converts its
+metadata, load_model its tensors) and compared with transformers' `from_pretrained(gguf_file=...)`
+on the same file, both fp32, on a 40-token prompt (longer than Gemma 3's 16-token window):
+
+- F32, and Q8_0 with the CPU kernel off (our torch dequantize-then-matmul): the same fp32 weights
+  and fp32 math as transformers, summed in other orders: 1e-4 absolute on the logits (max |logit|
+  is about 1-3 here), and the same greedy token at every position.
+- Q8_0 kept quantized with the kernel on: every matmul rounds its input to int8 per 32-block; as in
+  test_gguf_quant.py (measured 2-3% there) the bound is 5% of the max |logit| and the greedy tokens
+  agree on >= 90% of the positions. MoE models get the 5% bound on >= 90% of the positions instead
+  of all: the int8 rounding upstream can flip a near-tie between two experts in a router's top-k,
+  and that token's output then differs by a whole expert (measured: 3 of 40 positions over 0.05 *
+  max |logit| on the Qwen3-MoE file, against our own kernel-off logits; the others at 1%).
+
+Gemma 3 has head_dim 256 and 6 layers because transformers takes what the file does not state
+from Gemma3TextConfig's defaults (query_pre_attn_scalar 256, every 6th layer global), which are
+llama.cpp's rules for these files only when head_dim is 256. Where transformers reads less of the
+file than radixlm (Qwen2-MoE's and Qwen3-MoE's expert sizes, Qwen3's head_dim), its config comes
+from the tiny model instead (`from_pretrained(..., config=...)`, the weights still from the file),
+and our converted config is checked against the tiny model's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixlm.kernels.cpu_quant import cpu_supports_quant
+from radixlm.runtime.layers.quant_linear import QuantWeight
+from radixlm.runtime.models.model_config import ModelConfig, ModelLoadError
+from radixlm.runtime.models.weight_loader import load_model
+from tests.tiny_gguf import write_gguf
+from tests.unit.test_gguf_loader import _prefill_logits
+
+gguf = pytest.importorskip("gguf")
+
+F32, Q8_0 = 0, 8
+VOCAB = 320
+COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+              max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False, rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# general.architecture -> radixlm architecture, and whether transformers reads the whole config from the file
+ARCHS = {"qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", False),
+         "qwen2moe": ("Qwen2MoeForCausalLM", False), "qwen3moe": ("Qwen3MoeForCausalLM", False),
+         "phi3": ("Phi3ForCausalLM", True), "gemma3": ("Gemma3ForCausalLM", True)}
+
+
+def hf_config(arch: str):
+    import transformers as tf
+
+    if arch == "qwen2":
+        return tf.Qwen2Config(**COMMON, num_hidden_layers=2)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32)
+    if arch == "qwen2moe":     # every layer sparse: llama.cpp's qwen2moe has no dense layers
+        return tf.Qwen2MoeConfig(**COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=False)
+    if arch == "qwen3moe":
+        return tf.Qwen3MoeConfig(**COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
+    if arch == "phi3":
+        return tf.Phi3Config(**COMMON, num_hidden_layers=2)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+    gemma = dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1, head_dim=256)
+    return tf.Gemma3TextConfig(**{**COMMON, **gemma}, num_hidden_layers=6, sliding_window=16,
+                               query_pre_attn_scalar=256, rope_parameters=rope)
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    """arch -> the tiny random HF model (fp32, eval), built once per module."""
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for i, arch in enumerate(ARCHS):
+        torch.manual_seed(i)
+        model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
+        if arch == "gemma3":                      # (1 + w) norms: w away from 0, so a lost +-1 shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.data.uniform_(-0.5, 0.5)
+        models[arch] = model
+    return models
+
+
+def _hf_from_file(path: Path, arch: str, tiny) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if ARCHS[arch][1] else {"config": tiny.config}
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                **extra).eval()
+
+
+def _check_config(config: ModelConfig, arch: str, tiny) -> None:
+    """Our config converted from the file says what the tiny model's own config says."""
+    c = tiny.config
+    assert config.architecture == ARCHS[arch][0]
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads, config.vocab_size) == \
+        (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size)
+    assert config.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    assert config.tie_word_embeddings == c.tie_word_embeddings
+    if config.moe is not None:
+        moe = config.moe
+        assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == \
+            (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob)
+        assert moe.shared_intermediate_size == getattr(c, "shared_expert_intermediate_size", 0)
+        assert moe.sparse_layers == tuple(range(c.num_hidden_layers))
+    if arch == "gemma3":
+        assert config.sliding_window == 16 and config.sliding_window_layers == (0, 1, 2, 3, 4)
+        assert (config.query_pre_attn_scalar, config.local_rope_theta, config.rope_theta) == (256, 10000.0, 1e6)
+        assert config.hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("qtype,kernel", [(F32, True), (Q8_0, True), (Q8_0, False)])
+def test_gguf_logits_match_transformers(arch, qtype, kernel, tiny_models, tmp_path, monkeypatch):
+    if qtype == Q8_0 and kernel and not cpu_supports_quant():
+        pytest.skip("needs AVX512-VNNI")
+    if not kernel:
+        monkeypatch.setattr("radixlm.runtime.layers.quant_linear.load_cpu_quant", lambda: None)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = tiny_models[arch]
+    path = write_gguf(tiny, arch, tmp_path / "gguf" / f"{arch}.gguf", qtype)
+    config = ModelConfig.from_path(str(path), dtype="float32")
+    _check_config(config, arch, tiny)
+    model = load_model(config, "cpu", show_progress=False)
+    if qtype == Q8_0:                                 # kept quantized, experts included
+        mlp = model.model.layers[0].mlp
+        layer = mlp.experts[1] if config.moe else mlp
+        assert isinstance(layer.gate_up_proj.packed_weight, QuantWeight)
+        assert isinstance(model.model.layers[1].self_attn.qkv_proj.packed_weight, QuantWeight)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    ours = _prefill_logits(model, config, ids, page_size=16)
+    with torch.no_grad():
+        theirs = _hf_from_file(path, arch, tiny)(torch.tensor([ids])).logits[0]
+    diff, top = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    if qtype == F32 or not kernel:
+        assert diff <= 1e-4, (diff, top)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        return
+    per_position = (ours - theirs).abs().max(-1).values
+    if config.moe is None:
+        assert diff <= 0.05 * top, (diff, top)
+    else:                                             # a flipped near-tie in the router moves a whole expert
+        assert (per_position <= 0.05 * top).float().mean() >= 0.9, (per_position.tolist(), top)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+
+
+def test_gguf_bf16_serving_dtype_by_default(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_models["qwen3"], "qwen3", tmp_path / "gguf" / "qwen3.gguf", F32)
+    assert ModelConfig.from_path(str(path)).dtype == torch.bfloat16
+
+
+def _with_key(src: Path, dst: Path, key: str, value, vtype) -> Path:
+    """A copy of the GGUF file `src` with one more metadata key."""
+    reader = gguf.GGUFReader(str(src))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub)
+    writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])),
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("key,value,vtype,message", [
+    ("qwen2.rope.scaling.type", "yarn", gguf.GGUFValueType.STRING, "rope.scaling.type='yarn'"),
+    ("qwen2.rope.dimension_count", 8, gguf.GGUFValueType.UINT32, "rope on part of each head"),
+    ("qwen2.attention.sliding_window", 8, gguf.GGUFValueType.UINT32, "sliding_window is not implemented for qwen2"),
+    ("qwen2.attention.value_length", 8, gguf.GGUFValueType.UINT32, "value_length=8 differs"),
+    ("qwen2.some_new_key", 1, gguf.GGUFValueType.UINT32, "qwen2.some_new_key=1 is not implemented"),
+])
+def test_unimplemented_gguf_metadata_is_refused(key, value, vtype, message, tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "src" / "qwen2.gguf", F32)
+    bad = _with_key(path, tmp_path / "bad.gguf", key, value, vtype)
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        ModelConfig.from_path(str(bad))
+
+
+def test_linear_rope_scaling_is_read(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "src" / "qwen2.gguf", F32)
+    once = _with_key(path, tmp_path / "a" / "a.gguf", "qwen2.rope.scaling.type", "linear", gguf.GGUFValueType.STRING)
+    twice = _with_key(once, tmp_path / "b.gguf", "qwen2.rope.scaling.factor", 4.0, gguf.GGUFValueType.FLOAT32)
+    config = ModelConfig.from_path(str(twice))
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0, "rope_theta": config.rope_theta}
+    assert dataclasses.replace(config).rope_theta == tiny_models["qwen2"].config.rope_parameters["rope_theta"]
