@@ -82,8 +82,10 @@ def add_metadata(writer, arch: str, config) -> None:
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    if arch == "gemma3":
+    if arch in ("gemma3", "phi3") and c.sliding_window:
         writer.add_sliding_window(c.sliding_window)
+    if "sliding_attention" in c.rope_parameters:        # the newer converter states the sliding layers' base
+        writer.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
 
 
 def _permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

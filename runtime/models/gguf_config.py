@@ -13,8 +13,9 @@ registered radixlm architecture:
     phi3                   Phi3ForCausalLM           fused qkv / gate_up tensors; sliding window if stated
     gemma3                 Gemma3ForCausalLM         what the file does not state is llama.cpp's fixed rule:
                                                      every 6th layer global, the others sliding with rope
-                                                     base 10000; attention scale head_dim ** -0.5
-                                                     (hidden/heads for the 62-layer 27B)
+                                                     base 10000 (rope.freq_base_swa where stated);
+                                                     attention scale head_dim ** -0.5 (hidden/heads for
+                                                     the 62-layer 27B)
 
 Every `<arch>.*` key is either read (`_READ`), known not to change the forward pass (`_INERT`), or
 refused with ModelLoadError naming it (a rope scaling type other than linear, an attention head
@@ -61,7 +62,7 @@ _READ = {
     "attn_logit_softcapping": "attn_logit_softcapping",   # refused by config_fields when set
 }
 # read below, with a check: rope.freq_base, rope.scaling.*, rope.dimension_count, attention.value_length
-_CHECKED = ("rope.freq_base", "rope.scaling.type", "rope.scaling.factor", "rope.dimension_count",
+_CHECKED = ("rope.freq_base", "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor", "rope.dimension_count",
             "attention.value_length", "rope.scaling.attn_factor", "rope.scaling.original_context_length")
 _INERT = {
     "rope.scaling.finetuned": "a training note",
@@ -94,10 +95,6 @@ def gguf_hf_config(reader) -> dict:
         if name.split(".")[0] in _REFUSED_TENSORS:
             raise ModelLoadError(f"GGUF tensor {name}: {_REFUSED_TENSORS[name.split('.')[0]]}")
     keys = {name.removeprefix(arch + "."): value for name, value in fields.items() if name.startswith(arch + ".")}
-    unknown = sorted(set(keys) - set(_READ) - set(_CHECKED) - set(_INERT))
-    if unknown:
-        raise ModelLoadError(f"GGUF metadata {', '.join(f'{arch}.{k}={keys[k]!r}' for k in unknown)} "
-                             f"is not implemented in radixlm")
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
     hf: dict = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
     hf.update({_READ[k]: v for k, v in keys.items() if k in _READ})
@@ -108,6 +105,10 @@ def gguf_hf_config(reader) -> dict:
     hf["attention_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
     hf["rope_parameters"] = _rope(arch, keys, hf["head_dim"])
     _check_attention(arch, keys, hf)
+    unknown = sorted(set(keys) - set(_READ) - set(_CHECKED) - set(_INERT))
+    if unknown:
+        raise ModelLoadError(f"GGUF metadata {', '.join(f'{arch}.{k}={keys[k]!r}' for k in unknown)} "
+                             f"is not implemented in radixlm")
     for token in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{token}_token_id" in fields:
             hf[f"{'pad' if token == 'padding' else token}_token_id"] = int(fields[f"tokenizer.ggml.{token}_token_id"])
@@ -141,8 +142,13 @@ def _rope(arch: str, keys: dict, head_dim: int) -> dict:
     attn_factor = float(keys.get("rope.scaling.attn_factor", 1.0))
     if attn_factor != 1.0:
         raise ModelLoadError(f"GGUF {arch}.rope.scaling.attn_factor={attn_factor} is not implemented")
-    if arch == "gemma3":       # llama.cpp: the sliding layers rotate with base 10000, unscaled
-        return {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    local = keys.get("rope.freq_base_swa")
+    if arch == "gemma3":       # the sliding layers rotate unscaled, with base 10000 unless the file says
+        return {"full_attention": rope, "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": float(local or 10000.0)}}
+    if local is not None:
+        raise ModelLoadError(f"GGUF {arch}.rope.freq_base_swa={local} (a rope base for sliding layers) "
+                             f"is not implemented for {arch} files")
     return rope
 
 

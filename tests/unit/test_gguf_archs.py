@@ -67,7 +67,8 @@ def hf_config(arch: str):
         return tf.Qwen3MoeConfig(**COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
     if arch == "phi3":
-        return tf.Phi3Config(**COMMON, num_hidden_layers=2)
+        return tf.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=64)   # longer than the prompt:
+        # transformers' GGUF reading drops the window (llama.cpp disables Phi-3's); radixlm keeps it
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
     gemma = dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1, head_dim=256)
@@ -114,6 +115,8 @@ def _check_config(config: ModelConfig, arch: str, tiny) -> None:
             (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob)
         assert moe.shared_intermediate_size == getattr(c, "shared_expert_intermediate_size", 0)
         assert moe.sparse_layers == tuple(range(c.num_hidden_layers))
+    if arch == "phi3":
+        assert config.sliding_window == 64 and config.sliding_window_layers == (0, 1)
     if arch == "gemma3":
         assert config.sliding_window == 16 and config.sliding_window_layers == (0, 1, 2, 3, 4)
         assert (config.query_pre_attn_scalar, config.local_rope_theta, config.rope_theta) == (256, 10000.0, 1e6)
@@ -206,3 +209,31 @@ def test_linear_rope_scaling_is_read(tiny_models, tmp_path, monkeypatch):
     config = ModelConfig.from_path(str(twice))
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0, "rope_theta": config.rope_theta}
     assert dataclasses.replace(config).rope_theta == tiny_models["qwen2"].config.rope_parameters["rope_theta"]
+
+
+def test_scheduler_serves_a_gguf_file_by_path(tiny_models, tmp_path, monkeypatch):
+    """A Qwen3 file by path through the real Scheduler (ServerArgs resolves the file and converts its
+    tokenizer; radix cache, chunked prefill, pages of 16, mixed prefill/decode batches): greedy
+    tokens equal transformers' on the same file, and the second round is served from the cache."""
+    from pathlib import Path as _Path
+
+    from tests.helpers import SchedulerHarness
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = tiny_models["qwen3"]
+    path = write_gguf(tiny, "qwen3", tmp_path / "gguf" / "qwen3.gguf", F32)
+    hf = _hf_from_file(path, "qwen3", tiny)
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, VOCAB, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (12, 20)]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+                    [0, len(ids):].tolist() for ids in prompts]
+    h = SchedulerHarness(str(path), page_size=16, chunked_prefill_size=32, context_length=256, max_total_tokens=2048)
+    assert (_Path(h.args.tokenizer_path) / "tokenizer.json").is_file()
+    for attempt in range(2):
+        for i, ids in enumerate(prompts):
+            h.submit(f"{attempt}-{i}", ids, max_new_tokens=6, temperature=0, ignore_eos=True)
+        res = h.run()
+        assert [res[f"{attempt}-{i}"]["output_ids"] for i in range(2)] == expected, f"round {attempt}"
+    assert all(res[f"1-{i}"]["cached_tokens"] >= 32 for i in range(2))
