@@ -23,6 +23,8 @@ size for values different from keys, a partial rotary dimension, a sliding-windo
 array, ...), as config_fields.py refuses config.json fields. So are tensors radixlm would have to
 skip that change the computation (Phi-3's LongRoPE factors). Dense-vs-sparse layers, q/k/v biases,
 tied embeddings and the expert sizes come from which tensors the file holds when it says nothing.
+Besides the file's eos id, the control tokens that end a turn (<|im_end|>, <end_of_turn>, ...) stop
+generation, as in llama.cpp and the models' HF generation configs (not for llama files).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ _REFUSED_TENSORS = {
     "rope_factors_short": "LongRoPE (Phi-3 128k) rope scaling is not implemented",
 }
 _SOFTMAX_GATING = 1          # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+_CONTROL_TOKEN = 3           # gguf.TokenType.CONTROL
+_END_OF_TURN_TEXTS = frozenset({"<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>"})
 
 
 def read_fields(reader) -> dict[str, object]:
@@ -113,6 +117,8 @@ def gguf_hf_config(reader) -> dict:
         if f"tokenizer.ggml.{token}_token_id" in fields:
             hf[f"{'pad' if token == 'padding' else token}_token_id"] = int(fields[f"tokenizer.ggml.{token}_token_id"])
     ends = [fields[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in fields]
+    if arch != "llama":           # (llama files keep the stated ids only, as before)
+        ends += _end_of_turn_ids(reader)
     if ends:
         hf["eos_token_id"] = [int(t) for t in dict.fromkeys(ends)]
     if arch in MOE_ARCHITECTURES:
@@ -123,6 +129,18 @@ def gguf_hf_config(reader) -> dict:
     if arch == "gemma3":
         _gemma3(hf)
     return hf
+
+
+def _end_of_turn_ids(reader) -> list[int]:
+    """Control tokens that end a turn, found by their text as llama.cpp finds them (a file states one
+    eos id; the HF generation configs of these models list these too, e.g. Qwen's <|im_end|> and
+    <|endoftext|>, Gemma's <end_of_turn>, Phi-3's <|end|>)."""
+    if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.token_type" not in reader.fields:
+        return []
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    return [i for i, (text, kind) in enumerate(zip(tokens, types, strict=False))
+            if kind == _CONTROL_TOKEN and text in _END_OF_TURN_TEXTS]
 
 
 def _rope(arch: str, keys: dict, head_dim: int) -> dict:

@@ -109,6 +109,8 @@ def _check_config(config: ModelConfig, arch: str, tiny) -> None:
         (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size)
     assert config.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert config.tie_word_embeddings == c.tie_word_embeddings
+    # the file's eos (<|im_end|>) and the other control token that ends a turn (<|endoftext|>)
+    assert config.eos_token_ids == [263, 261]
     if config.moe is not None:
         moe = config.moe
         assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == \
