@@ -6,7 +6,8 @@ transformers converts it, as it does a real file's), and every tensor under its 
 with the gguf package's own HF -> GGUF name map (independent of radixlm's reverse tables). What
 llama.cpp's converter changes, this changes too:
 
-    llama                 q/k rows permuted per head (rotate-half -> interleaved pairs)
+    llama                 q/k rows permuted per head (rotate-half -> interleaved pairs); llama3
+                          rope scaling stored as the rope_freqs tensor of per-frequency divisors
     gemma3                every RMSNorm weight stored as w + 1
     qwen2moe / qwen3moe   experts stacked as 3-D ffn_{gate,up,down}_exps [experts, out, in];
                           the shared-expert gate stored 1-D
@@ -18,6 +19,7 @@ as llama.cpp does. Quantizing uses gguf.quants (numpy), so keep the models tiny.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +126,26 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
+def llama3_rope_factors(config) -> np.ndarray:
+    """llama.cpp's rope_freqs for an HF llama3 rope scaling: the divisor of each frequency."""
+    rope = config.rope_parameters
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(model, arch: str, path: Path, qtype: int) -> Path:
     """Writes `model` (a transformers causal LM) as the GGUF file `path`; weights in ggml type `qtype`."""
     import gguf
@@ -133,7 +155,10 @@ def write_gguf(model, arch: str, path: Path, qtype: int) -> Path:
     add_metadata(writer, arch, model.config)
     add_tokenizer(writer, model.config.vocab_size)
     kind = gguf.GGMLQuantizationType(qtype)
-    for name, w in gguf_tensors(model, arch).items():
+    tensors = gguf_tensors(model, arch)
+    if model.config.rope_parameters.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_factors(model.config)
+    for name, w in tensors.items():
         if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
         elif kind == gguf.GGMLQuantizationType.F16:

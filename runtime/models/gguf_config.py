@@ -5,7 +5,9 @@ integrations/ggml.py maps the same keys). `gguf_hf_config(reader)` turns them in
 registered radixlm architecture:
 
     general.architecture   radixlm architecture      specifics
-    llama                  LlamaForCausalLM          q/k rows permuted (undone in gguf_loader.py)
+    llama                  LlamaForCausalLM          q/k rows permuted (undone in gguf_loader.py); a
+                                                     rope_freqs tensor (Llama 3.1 scaling as llama.cpp
+                                                     stores it) becomes rope_type "freq_factors"
     qwen2                  Qwen2ForCausalLM          q/k/v biases
     qwen3                  Qwen3ForCausalLM          q/k norms; head_dim from attention.key_length
     qwen2moe               Qwen2MoeForCausalLM       experts, gated shared expert; top-k weights not renormalized
@@ -108,6 +110,12 @@ def gguf_hf_config(reader) -> dict:
     hf["tie_word_embeddings"] = "output.weight" not in tensors
     hf["attention_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
     hf["rope_parameters"] = _rope(arch, keys, hf["head_dim"])
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        if arch != "llama" or hf["rope_parameters"]["rope_type"] != "default":
+            raise ModelLoadError(f"GGUF tensor rope_freqs in a {arch} file with rope scaling "
+                                 f"{hf['rope_parameters'].get('rope_type')!r} is not implemented")
+        hf["rope_parameters"].update(rope_type="freq_factors", freq_factors=_floats(factors))
     _check_attention(arch, keys, hf)
     unknown = sorted(set(keys) - set(_READ) - set(_CHECKED) - set(_INERT))
     if unknown:
@@ -129,6 +137,12 @@ def gguf_hf_config(reader) -> dict:
     if arch == "gemma3":
         _gemma3(hf)
     return hf
+
+
+def _floats(tensor) -> list[float]:
+    from gguf import dequantize
+
+    return [float(v) for v in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
 
 
 def _end_of_turn_ids(reader) -> list[int]:

@@ -196,7 +196,8 @@ def iterate_gguf_weights(gguf_file: str | Path, num_heads: int, num_kv_heads: in
     (or, with `keep_quantized`, a GGUFQuantized for 2-D weights and experts of the types kept
     quantized), converted back as the module docstring says.
 
-    Tensors without an HF counterpart (e.g. llama.cpp's rope_freqs) are logged and skipped.
+    Tensors without an HF counterpart are logged and skipped (rope_freqs silently: gguf_config.py
+    made it the config's rope).
     """
     from gguf import GGUFReader, dequantize
 
@@ -206,6 +207,8 @@ def iterate_gguf_weights(gguf_file: str | Path, num_heads: int, num_kv_heads: in
     arch = str(reader.fields["general.architecture"].contents())
     for tensor in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", disable=not show_progress):
         name = hf_tensor_name(tensor.name, arch)
+        if tensor.name == "rope_freqs.weight":
+            continue
         if name is None:
             logger.warning("Skipping GGUF tensor %s: no Hugging Face counterpart", tensor.name)
             continue

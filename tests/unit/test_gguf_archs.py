@@ -239,3 +239,28 @@ def test_scheduler_serves_a_gguf_file_by_path(tiny_models, tmp_path, monkeypatch
         res = h.run()
         assert [res[f"{attempt}-{i}"]["output_ids"] for i in range(2)] == expected, f"round {attempt}"
     assert all(res[f"1-{i}"]["cached_tokens"] >= 32 for i in range(2))
+
+
+def test_llama3_rope_factors_from_a_llama_file(tmp_path, monkeypatch):
+    """llama.cpp stores Llama 3.1 rope scaling as the rope_freqs tensor (no metadata key);
+    transformers' GGUF loader drops it, so the reference is the tiny HF model itself (fp32, its
+    llama3 rope_parameters). Orig. context 64 so the scaling changes frequencies at tiny sizes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    torch.manual_seed(5)
+    tiny = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, num_hidden_layers=2, rope_parameters=rope),
+                                            dtype=torch.float32).eval()
+    path = write_gguf(tiny, "llama", tmp_path / "gguf" / "llama3.gguf", F32)
+    config = ModelConfig.from_path(str(path), dtype="float32")
+    assert config.rope_scaling["rope_type"] == "freq_factors" and max(config.rope_scaling["freq_factors"]) == 8.0
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    ours = _prefill_logits(load_model(config, "cpu", show_progress=False), config, ids, page_size=16)
+    with torch.no_grad():
+        theirs = tiny(torch.tensor([ids])).logits[0]
+        dropped = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)(
+            torch.tensor([ids])).logits[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (dropped - theirs).abs().max().item() > 1e-2          # the factors matter here
