@@ -3,11 +3,11 @@
 For each architecture a tiny random HF model (initializer_range 0.1, untied embeddings except
 Gemma 3, which ties them) is written to a GGUF file here as llama.cpp's converter writes it
 (tests/tiny_gguf.py: metadata keys, tensor names from the gguf package's own map, the converter's
-transforms), in F32 and in Q8_0. The file is loaded by path (ModelConfig.from_path converts its
+transforms), in F32, F16 and Q8_0. The file is loaded by path (ModelConfig.from_path converts its
 metadata, load_model its tensors) and compared with transformers' `from_pretrained(gguf_file=...)`
 on the same file, both fp32, on a 40-token prompt (longer than Gemma 3's 16-token window):
 
-- F32, and Q8_0 with the CPU kernel off (our torch dequantize-then-matmul): the same fp32 weights
+- F32, F16 (dequantized exactly to fp32 by both), and Q8_0 with the CPU kernel off (our torch dequantize-then-matmul): the same fp32 weights
   and fp32 math as transformers, summed in other orders: 1e-4 absolute on the logits (max |logit|
   is about 1-3 here), and the same greedy token at every position.
 - Q8_0 kept quantized with the kernel on: every matmul rounds its input to int8 per 32-block; as in
@@ -42,7 +42,7 @@ from tests.unit.test_gguf_loader import _prefill_logits
 
 gguf = pytest.importorskip("gguf")
 
-F32, Q8_0 = 0, 8
+F32, F16, Q8_0 = 0, 1, 8
 VOCAB = 320
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
               max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -126,7 +126,7 @@ def _check_config(config: ModelConfig, arch: str, tiny) -> None:
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("qtype,kernel", [(F32, True), (Q8_0, True), (Q8_0, False)])
+@pytest.mark.parametrize("qtype,kernel", [(F32, True), (F16, True), (Q8_0, True), (Q8_0, False)])
 def test_gguf_logits_match_transformers(arch, qtype, kernel, tiny_models, tmp_path, monkeypatch):
     if qtype == Q8_0 and kernel and not cpu_supports_quant():
         pytest.skip("needs AVX512-VNNI")
@@ -148,7 +148,7 @@ def test_gguf_logits_match_transformers(arch, qtype, kernel, tiny_models, tmp_pa
     with torch.no_grad():
         theirs = _hf_from_file(path, arch, tiny)(torch.tensor([ids])).logits[0]
     diff, top = (ours - theirs).abs().max().item(), theirs.abs().max().item()
-    if qtype == F32 or not kernel:
+    if qtype in (F32, F16) or not kernel:
         assert diff <= 1e-4, (diff, top)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
         return
