@@ -9,7 +9,7 @@ llama.cpp's converter changes, this changes too:
     llama                 q/k rows permuted per head (rotate-half -> interleaved pairs); llama3
                           rope scaling stored as the rope_freqs tensor of per-frequency divisors
     gemma3                every RMSNorm weight stored as w + 1
-    qwen2moe / qwen3moe   experts stacked as 3-D ffn_{gate,up,down}_exps [experts, out, in];
+    qwen2moe / qwen3moe   (and Mixtral, written as llama) experts stacked as 3-D ffn_{gate,up,down}_exps [experts, out, in];
                           the shared-expert gate stored 1-D
     phi3                  the fused qkv_proj / gate_up_proj kept fused (attn_qkv, ffn_up)
 
@@ -78,6 +78,9 @@ def add_metadata(writer, arch: str, config) -> None:
         writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
+    if getattr(c, "num_local_experts", None):           # Mixtral, written as llama
+        writer.add_expert_count(c.num_local_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
     if arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_count(c.num_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)

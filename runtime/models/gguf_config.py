@@ -8,6 +8,7 @@ registered radixlm architecture:
     llama                  LlamaForCausalLM          q/k rows permuted (undone in gguf_loader.py); a
                                                      rope_freqs tensor (Llama 3.1 scaling as llama.cpp
                                                      stores it) becomes rope_type "freq_factors"
+    llama with experts     MixtralForCausalLM        ffn_*_exps on every layer (llama.cpp's Mixtral)
     qwen2                  Qwen2ForCausalLM          q/k/v biases
     qwen3                  Qwen3ForCausalLM          q/k norms; head_dim from attention.key_length
     qwen2moe               Qwen2MoeForCausalLM       experts, gated shared expert; top-k weights not renormalized
@@ -132,8 +133,7 @@ def gguf_hf_config(reader) -> dict:
     if arch in MOE_ARCHITECTURES:
         _moe(arch, keys, hf, tensors)
     elif int(keys.get("expert_count", 0) or 0) or any("_exps." in name for name in tensors):
-        raise ModelLoadError(f"GGUF {arch} file with experts (a Mixtral-style file) is not supported; "
-                             f"GGUF experts load for {', '.join(MOE_ARCHITECTURES)}")
+        _mixtral(arch, keys, hf, tensors)
     if arch == "gemma3":
         _gemma3(hf)
     return hf
@@ -217,6 +217,23 @@ def _moe(arch: str, keys: dict, hf: dict, tensors: dict[str, list[int]]) -> None
                              if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     if "intermediate_size" not in hf:       # an all-expert file states no dense width
         hf["intermediate_size"] = hf["moe_intermediate_size"]
+
+
+def _mixtral(arch: str, keys: dict, hf: dict, tensors: dict[str, list[int]]) -> None:
+    """A llama file with experts is Mixtral (llama.cpp converts it as llama): experts of
+    feed_forward_length on every layer, top-k weights renormalized."""
+    layers = int(hf["num_hidden_layers"])
+    if arch != "llama" or any(f"blk.{i}.ffn_gate_exps.weight" not in tensors for i in range(layers)):
+        raise ModelLoadError(f"GGUF {arch} file with experts (3-D ffn_*_exps on every layer, as llama.cpp "
+                             "writes Mixtral) is not supported in this form")
+    size = hf.pop("moe_intermediate_size", None)
+    if size is not None and int(size) != int(hf["intermediate_size"]):
+        raise ModelLoadError(f"GGUF {arch}.expert_feed_forward_length={size} differs from feed_forward_length "
+                             f"{hf['intermediate_size']}; not implemented for Mixtral-style files")
+    if any(f"blk.{i}.ffn_gate_shexp.weight" in tensors for i in range(layers)):
+        raise ModelLoadError(f"GGUF {arch} file with shared experts is not supported")
+    hf.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+              num_local_experts=int(hf.pop("num_experts")), num_experts_per_tok=int(hf["num_experts_per_tok"]))
 
 
 def _gemma3(hf: dict) -> None:

@@ -264,3 +264,41 @@ def test_llama3_rope_factors_from_a_llama_file(tmp_path, monkeypatch):
             torch.tensor([ids])).logits[0]
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert (dropped - theirs).abs().max().item() > 1e-2          # the factors matter here
+
+
+@pytest.mark.parametrize("qtype,kernel", [(F32, True), (Q8_0, False)])
+def test_mixtral_from_a_llama_file(qtype, kernel, tmp_path, monkeypatch):
+    """llama.cpp writes Mixtral as a llama file with experts; transformers' GGUF loader builds a
+    dense Llama from it, so the reference is the tiny HF Mixtral itself (fp32); 1e-4 for F32 and
+    for Q8_0 on the torch path, against the HF model with its weights rounded to Q8_0 in place
+    (gguf.quants round trip per row: the file's rows up to a row order, and blocks lie in a row)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    if not kernel:
+        monkeypatch.setattr("radixlm.runtime.layers.quant_linear.load_cpu_quant", lambda: None)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(9)
+    tiny = AutoModelForCausalLM.from_config(
+        MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
+        dtype=torch.float32).eval()
+    path = write_gguf(tiny, "llama", tmp_path / "gguf" / "mixtral.gguf", qtype)
+    config = ModelConfig.from_path(str(path), dtype="float32")
+    assert config.architecture == "MixtralForCausalLM" and config.moe is not None
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 96)
+    model = load_model(config, "cpu", show_progress=False)
+    assert isinstance(model.model.layers[0].mlp.experts[3].down_proj.packed_weight, QuantWeight) == (qtype == Q8_0)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(10)).tolist()
+    ours = _prefill_logits(model, config, ids, page_size=16)
+    reference = tiny
+    if qtype == Q8_0:
+        import copy
+
+        reference = copy.deepcopy(tiny)
+        kind = gguf.GGMLQuantizationType(Q8_0)
+        for name, p in reference.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), kind), kind)
+                p.data.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4
