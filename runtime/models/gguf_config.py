@@ -191,9 +191,9 @@ def _check_attention(arch: str, keys: dict, hf: dict) -> None:
                              f"{hf['head_dim']}; not implemented")
     if not keys.get("attention.causal", True):
         raise ModelLoadError(f"GGUF {arch}.attention.causal=false (non-causal attention) is not supported")
-    if "sliding_window" in hf and arch not in ("phi3", "gemma3"):
+    if hf.get("sliding_window") and arch not in ("phi3", "gemma3"):
         raise ModelLoadError(f"GGUF {arch}.attention.sliding_window is not implemented for {arch} files")
-    if arch == "phi3" and not hf.get("sliding_window"):
+    if not hf.get("sliding_window"):
         hf.pop("sliding_window", None)
 
 
