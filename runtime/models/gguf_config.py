@@ -97,6 +97,9 @@ def gguf_hf_config(reader) -> dict:
     arch = str(fields.get("general.architecture"))
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    if int(fields.get("split.count", 1) or 1) > 1:
+        raise ModelLoadError(f"This GGUF file is part 1 of {fields['split.count']} (a split file); loading "
+                             "split files is not implemented: merge them first (llama-gguf-split --merge)")
     tensors = {t.name: [int(d) for d in t.shape] for t in reader.tensors}   # dims innermost first
     for name in tensors:
         if name.split(".")[0] in _REFUSED_TENSORS:
