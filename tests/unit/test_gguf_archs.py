@@ -36,6 +36,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -350,3 +351,32 @@ def test_one_call_decoder_on_quantized_qwen_files(arch, tiny_models, tmp_path, m
             assert torch.equal(got, want)
             assert all(torch.equal(k[loc], wk) and torch.equal(v[loc], wv) for (k, v), (wk, wv) in zip(cache, want_kv))
             ids = runner.model.compute_logits(got).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("layers,scalar", [(62, 5376 // 32), (48, 128)])
+def test_gemma3_attention_scale_follows_llama_cpp(layers, scalar, tmp_path):
+    """llama.cpp scales Gemma 3's attention by head_dim ** -0.5, except the 62-layer 27B, which
+    takes hidden/heads (168, not its head_dim 128); no key states it. Metadata-only files."""
+    from radixlm.runtime.models.gguf_config import gguf_hf_config
+
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    for add, value in ((writer.add_block_count, layers), (writer.add_embedding_length, 5376),
+                       (writer.add_head_count, 32), (writer.add_head_count_kv, 16), (writer.add_key_length, 128),
+                       (writer.add_value_length, 128), (writer.add_feed_forward_length, 21504),
+                       (writer.add_context_length, 131072), (writer.add_sliding_window, 1024),
+                       (writer.add_vocab_size, 262208)):
+        add(value)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(8.0)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    hf = gguf_hf_config(gguf.GGUFReader(str(tmp_path / "g.gguf")))
+    assert hf["query_pre_attn_scalar"] == scalar and hf["head_dim"] == 128
+    assert hf["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert hf["rope_parameters"]["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert hf["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
