@@ -23,8 +23,8 @@ What llama.cpp's converter changed, per architecture, and its undoing here:
   to [heads, half, 2, in] and swaps the middle axes back. The other architectures use llama.cpp's
   NEOX rope (HF's layout) and are not permuted.
 - gemma3: RMSNorm weights are stored as w + 1 (the scale Gemma's norm applies): 1 is subtracted.
-- qwen2moe / qwen3moe, and llama files with experts (Mixtral): the experts of a layer are one 3-D tensor per projection
-  (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [experts, out, in]): split into experts.{e}.*,
+- qwen2moe / qwen3moe, and llama files with experts (Mixtral): the experts of a layer are one 3-D
+  tensor per projection (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [experts, out, in]): split into experts.{e}.*,
   quantized ones by rows (each expert stays in the file's type); the shared-expert gate is 1-D
   (made [1, hidden]). The routers stay dense (llama.cpp keeps them F32).
 - phi3: attn_qkv and ffn_up hold the fused qkv_proj and gate_up_proj: split into q/k/v (rows
