@@ -1,6 +1,8 @@
 """Rotary position embedding (neox style: rotate the two halves of each head, as HF Llama does).
 
-Supported `rope_type`s: "default", "linear" and "llama3" (the Llama 3.1 frequency smoothing).
+Supported `rope_type`s: "default", "linear", "llama3" (the Llama 3.1 frequency smoothing) and
+"freq_factors" (each frequency divided by its factor from `freq_factors`: a GGUF file's rope_freqs
+tensor, which is how llama.cpp's converter stores Llama 3.1 scaling; runtime/models/gguf_config.py).
 The cos/sin table (half width: both halves of a head share one frequency) is computed once in
 fp32 for every position up to `max_position`; `forward` gathers the rows of `positions` and
 casts them to the activation dtype, as HF does. On CPU the fused C++ op (kernels/cpu_ops) rotates
@@ -17,7 +19,7 @@ from torch import nn
 
 from ...kernels import cpu_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -52,6 +54,11 @@ def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> t
         return llama3_inv_freq(inv_freq, float(rope_scaling["factor"]), float(rope_scaling["low_freq_factor"]),
                                float(rope_scaling["high_freq_factor"]),
                                int(rope_scaling["original_max_position_embeddings"]))
+    if rope_type == "freq_factors":
+        factors = torch.tensor([float(f) for f in rope_scaling["freq_factors"]], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"freq_factors has {factors.numel()} values; head_dim {head_dim} needs {inv_freq.numel()}")
+        return inv_freq / factors
     raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
