@@ -209,7 +209,8 @@ class OutputProcessor:
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop_strs=list(sp.stop),
             stop_regex=list(sp.stop_regex),
             no_stop_trim=sp.no_stop_trim, jump_forward_tokens=req.jump_forward_tokens,
-            forward_passes=req.forward_passes)
+            forward_passes=req.forward_passes, spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens)
         if req.return_logprob:
             if not req.sent_first:
                 out.input_token_logprobs = list(req.input_token_logprobs or [])

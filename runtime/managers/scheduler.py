@@ -68,6 +68,11 @@ class Scheduler:
         self.generated_tokens = 0
         self.last_stats = 0.0
         self.log = BatchLog(server_args.decode_log_interval)
+        self.spec = None
+        if server_args.speculative_algorithm:
+            from ..speculative.ngram_spec import NgramSpeculator
+
+            self.spec = NgramSpeculator(server_args, self.output, self.kv)
 
     # --------------------------------------------------------------- loop
     def has_work(self) -> bool:
@@ -77,6 +82,8 @@ class Scheduler:
         """One scheduling step: abort/timeout housekeeping, plan, forward, process."""
         self._handle_aborts()
         self.waiting.extend(self.grammar_queue.pop_ready(self._finish_early))
+        if self.spec is not None:
+            self.spec.propose(self.running, self.runner.context_len)
         batch = self.planner.plan(self.running, self.waiting)
         requeue(batch, self.running, self.waiting)
         if batch.reqs:
@@ -87,28 +94,41 @@ class Scheduler:
         self.log.batch(self, batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         ids: list[int] = []
+        verify_rows: list[int] = []        # flat rows of the proposals' logits but the last (speculation)
+        offset = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            ids.extend(req.token_slice(req.kv_committed_len, req.kv_committed_len + n))
+            k = len(req.draft_ids)
+            ids.extend(req.token_slice(req.kv_committed_len, req.kv_committed_len + n - k))
+            ids.extend(req.draft_ids)
+            verify_rows.extend(range(offset, offset + k))
+            offset += n
         rows = [req.req_pool_idx for req in batch.reqs]
         fb = self.runner.make_forward_batch(mode, ids, rows, batch.prefix_lens, batch.seq_lens,
                                             batch.out_cache_loc, self.kv.req_to_token_pool)
         lp_rows, spans = self.output.logprob_rows(batch)
-        logits = self.runner.forward(fb, lp_rows)
-        self._process(batch, logits, spans)
+        logits = self.runner.forward(fb, lp_rows + verify_rows)
+        self._process(batch, logits, spans, len(lp_rows))
 
-    def _process(self, batch: StepBatch, logits, spans) -> None:
+    def _process(self, batch: StepBatch, logits, spans, num_lp_rows: int = 0) -> None:
         out = self.output
+        extra = logits.extra_logits
         if spans or any(req.wants_input_logprobs for req in batch.reqs):
-            out.record_input_logprobs(spans, logits.extra_logits, batch)
+            out.record_input_logprobs(spans, None if extra is None else extra[:num_lp_rows], batch)
         for req in batch.reqs:
             req.forward_passes += 1
         to_sample: list[tuple[int, Req]] = []
-        for i in self.kv.commit(batch.reqs, batch.extend_lens):     # whole sequence computed: sample
+        verify: list[tuple[int, Req]] = []
+        commit_lens = [n - len(req.draft_ids) for req, n in zip(batch.reqs, batch.extend_lens)]
+        for i in self.kv.commit(batch.reqs, commit_lens):     # whole sequence computed: sample
             req = batch.reqs[i]
             if req.wants_input_logprobs:
                 req.input_logprobs_done = True
-            if not out.finished_before_sampling(req):
+            if req.draft_ids:
+                verify.append((i, req))
+            elif not out.finished_before_sampling(req):
                 to_sample.append((i, req))
+        if verify:
+            self._verify(verify, logits, num_lp_rows)
         if to_sample:
             idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
             reqs = [req for _, req in to_sample]
@@ -119,6 +139,18 @@ class Scheduler:
         for req in batch.reqs:
             if req.finished:
                 self._release(req)
+
+    def _verify(self, verify: list[tuple[int, Req]], logits, num_lp_rows: int) -> None:
+        """Speculating requests: logits at the last token and each proposal but the last (extra rows,
+        in batch order, after the input-logprob rows), and at the last proposal (its next-token row)."""
+        per_req, row = [], num_lp_rows
+        for i, req in verify:
+            k = len(req.draft_ids)
+            per_req.append(torch.cat([logits.extra_logits[row:row + k], logits.next_token_logits[i:i + 1]]))
+            row += k
+        n = self.spec.verify([req for _, req in verify], per_req)
+        self.gen_tokens.append((time.monotonic(), n))
+        self.generated_tokens += n
 
     def _release(self, req: Req) -> None:
         if req in self.running:
@@ -202,7 +234,15 @@ class Scheduler:
             kv_evictable_tokens=kv.evictable_tokens(), max_total_tokens=kv.total_tokens,
             num_preemptions=planned.num_preemptions, prefix_cache_queries=planned.prefix_cache_queries,
             prefix_cache_hits=planned.prefix_cache_hits, late_divergence_misses=planned.late_divergence_misses,
-            generated_tokens=self.generated_tokens, gen_throughput=self.gen_throughput(), dp_rank=self.dp_rank)
+            generated_tokens=self.generated_tokens, gen_throughput=self.gen_throughput(), dp_rank=self.dp_rank,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        t = self.spec.totals
+        return {"spec_verify_ct": t.verify_ct, "spec_draft_tokens": t.draft_tokens,
+                "spec_accepted_tokens": t.accepted_tokens}
 
     def internal_state(self) -> dict:
         kv, planned, pool = self.kv, self.planner.stats(), self.kv.req_to_token_pool
@@ -218,6 +258,7 @@ class Scheduler:
             "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,
             "late_divergence_misses": planned.late_divergence_misses,
             "last_divergence_position": planned.last_divergence_position,
+            **({"avg_spec_accept_length": self.spec.accept_length(), **self._spec_stats()} if self.spec else {}),
             **self.runner.info(),
         }
 

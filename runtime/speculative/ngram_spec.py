@@ -1,0 +1,168 @@
+"""N-gram speculative decoding in the scheduler: propose before planning, verify after the forward.
+
+    spec = NgramSpeculator(server_args, output_processor, kv)
+    spec.propose(running, context_len)      # sets req.draft_ids on the decodes worth speculating
+    batch = planner.plan(...)               # a decode with K proposals is an extend of 1 + K tokens
+    ... forward: logits at every one of those 1 + K positions ...
+    kv.commit(...)                          # as a plain decode: kv_committed_len += 1
+    spec.verify(reqs, row_logits)           # accept, append, trim the rejected KV
+
+Verification ("accept while the sampled token equals the proposal"): position j's logits (the
+model's view after the last token and proposals 1..j) are sampled with the request's real state,
+exactly as a plain decode step would, the token is appended through the usual stop rules, and the
+next position is used only when that token equals proposal j + 1. So every output token is drawn
+from the same distribution as without speculation (greedy: the same token), penalties, seeds,
+min_new_tokens and logprobs see the same state, and a stop inside an accepted run ends there.
+The KV of the last token and the accepted proposals is kept; the rejected proposals' KV slots go
+back at once (`KVManager.trim_draft`), so the prefix cache never sees a rejected token.
+
+When it speculates (all else decodes plainly, through the one-call CPU decoder where it applies):
+a request that is decoding, has no grammar, has room left (max_new_tokens, context), and an n-gram
+match; the batch has at most --speculative-disable-by-batch-size decoding requests; and the
+request's recent acceptance pays for a verify pass (an exponential average of accepted proposals
+per verify; below MIN_ACCEPT it rests, for a back-off that doubles each time, then tries again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layers.sampling_batch_info import is_plain_greedy
+from .ngram import NgramIndex
+
+MIN_ACCEPT = 0.8        # accepted proposals per verify (average) below which a request rests
+EMA_DECAY = 0.7         # weight of the past in that average
+FIRST_REST = 4          # decode steps of the first rest; doubled each time, up to MAX_REST
+MAX_REST = 256
+
+
+@dataclass
+class SpecState:
+    """One request's proposer index and acceptance history (owned by the speculator)."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    ema: float = 2.0                 # optimistic start: the first proposals get a chance
+    rest: int = 0                    # decode steps left without proposing
+    next_rest: int = FIRST_REST
+
+
+@dataclass
+class SpecTotals:
+    """Cumulative counters of one scheduler (stats, /metrics, the decode log line)."""
+
+    verify_ct: int = 0               # verify passes (one per speculating request per step)
+    draft_tokens: int = 0            # proposals verified
+    accepted_tokens: int = 0         # proposals accepted (kept in the output)
+
+
+class NgramSpeculator:
+    def __init__(self, args, output, kv):
+        self.num_draft = args.speculative_num_draft_tokens
+        self.min_n = args.speculative_ngram_min_match_window_size
+        self.max_n = args.speculative_ngram_max_match_window_size
+        self.max_bs = args.speculative_disable_by_batch_size
+        self.output = output
+        self.kv = kv
+        self.totals = SpecTotals()
+
+    # ------------------------------------------------------------ propose
+    def propose(self, running: list, context_len: int) -> None:
+        """Sets `draft_ids` of every running request: proposals for the decodes that speculate now,
+        empty for the rest."""
+        decoding = [r for r in running if r.kv_committed_len >= r.prompt_len and r.extend_len == 1]
+        for req in running:
+            req.draft_ids = []
+        if len(decoding) > self.max_bs:
+            return
+        for req in decoding:
+            k = min(self.num_draft, req.remaining_new_tokens() - 1, context_len - req.seq_len)
+            if k <= 0 or req.grammar is not None or req.to_abort is not None or req.finished:
+                continue
+            st = req.spec_state
+            if st is None:
+                st = req.spec_state = SpecState()
+            if st.rest > 0:
+                st.rest -= 1
+                continue
+            req.draft_ids = st.index.propose(req.all_ids, k, self.min_n, self.max_n)
+
+    # ------------------------------------------------------------- verify
+    def verify(self, reqs: list, logits: list[torch.Tensor]) -> int:
+        """Accepts proposals of `reqs` (each just had its verify pass; its kv_committed_len covers the
+        last token) given `logits[i]` [1 + K_i, vocab] at its last token and its proposals. Appends the
+        accepted tokens and the model's own next token, frees the rejected proposals' KV. Returns the
+        number of tokens appended."""
+        drafts = [req.draft_ids for req in reqs]
+        if self._plain_greedy(reqs):
+            appended = self._verify_greedy(reqs, drafts, logits)
+        else:
+            appended = self._verify_sampled(reqs, drafts, logits)
+        total = 0
+        for req, draft, n in zip(reqs, drafts, appended):
+            accepted = n - 1                # proposals whose KV is kept (the last appended token has none)
+            self.kv.trim_draft(req, accepted, len(draft))
+            self._record(req, accepted, len(draft))
+            req.draft_ids = []
+            total += n
+        return total
+
+    def _plain_greedy(self, reqs: list) -> bool:
+        return not any(r.return_logprob for r in reqs) and is_plain_greedy(
+            [r.sampling_params for r in reqs], [r.output_ids for r in reqs])
+
+    def _verify_greedy(self, reqs: list, drafts: list[list[int]], logits: list[torch.Tensor]) -> list[int]:
+        """The argmax of every position at once; then accept in order (stop rules per token)."""
+        sizes = [len(x) for x in logits]
+        vocab = self.output.vocab_size
+        targets = torch.cat(logits)[:, :vocab].argmax(-1).tolist()
+        out, start = [], 0
+        for req, draft, size in zip(reqs, drafts, sizes):
+            n = 0
+            for j in range(size):
+                tid = targets[start + j]
+                self.output.append_token(req, tid)
+                n += 1
+                if req.finished or j >= len(draft) or tid != draft[j]:
+                    break
+            out.append(n)
+            start += size
+        return out
+
+    def _verify_sampled(self, reqs: list, drafts: list[list[int]], logits: list[torch.Tensor]) -> list[int]:
+        """Position by position, the still-accepting requests sampled together with their real state."""
+        appended = [0] * len(reqs)
+        active = list(range(len(reqs)))
+        j = 0
+        while active:
+            rows = torch.stack([logits[i][j] for i in active])
+            batch = [reqs[i] for i in active]
+            still = []
+            for i, req, tid in zip(active, batch, self.output.sample(batch, rows)):
+                self.output.append_token(req, tid)
+                appended[i] += 1
+                if not (req.finished or j >= len(drafts[i]) or tid != drafts[i][j]):
+                    still.append(i)
+            active, j = still, j + 1
+        return appended
+
+    def _record(self, req, accepted: int, drafted: int) -> None:
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += accepted
+        t = self.totals
+        t.verify_ct += 1
+        t.draft_tokens += drafted
+        t.accepted_tokens += accepted
+        st = req.spec_state
+        st.ema = EMA_DECAY * st.ema + (1 - EMA_DECAY) * accepted
+        if st.ema < MIN_ACCEPT:
+            st.rest, st.next_rest = st.next_rest, min(st.next_rest * 2, MAX_REST)
+            st.ema = MIN_ACCEPT      # after the rest, one more verify decides
+        elif accepted:
+            st.next_rest = FIRST_REST
+
+    def accept_length(self) -> float:
+        """Mean tokens per verify pass (accepted proposals + the model's own token), since start."""
+        t = self.totals
+        return (t.accepted_tokens + t.verify_ct) / t.verify_ct if t.verify_ct else 0.0
