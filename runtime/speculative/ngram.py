@@ -4,8 +4,9 @@
     draft = index.propose(tokens, k=4, min_n=1, max_n=12)   # tokens = prompt + output so far
 
 The last n tokens of `tokens` are looked up earlier in `tokens`; the tokens that followed the
-match are the proposal. The longest n in [min_n, max_n] that matches wins (among equally long
-matches, the most recent); with no match of even min_n tokens there is no proposal.
+match are the proposal, continued periodically where they reach the end (a match p tokens back
+means the text repeats with period p). The longest n in [min_n, max_n] that matches wins (among
+equally long matches, the most recent); with no match of even min_n tokens there is no proposal.
 
 The index maps each token id to the positions where it occurs, filled incrementally (each call
 indexes only the tokens added since the last one), so a step costs the lookup, not the sequence:
@@ -48,4 +49,8 @@ class NgramIndex:
                     break
         if best_len < min_n:
             return []
-        return tokens[best_end + 1: best_end + 1 + k]
+        out = tokens[best_end + 1: best_end + 1 + k]
+        period = L - 1 - best_end          # a match close to the end: the text repeats with this period
+        while len(out) < k:
+            out.append(out[len(out) - period])
+        return out
