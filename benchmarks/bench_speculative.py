@@ -51,9 +51,10 @@ def edit_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     for code, name in (funcs * (n // max(len(funcs), 1) + 1))[:n]:
         text = (f"Rewrite this Python function with one change: rename the argument `{name}` to "
                 f"`{name}_new`. Output only the code.\n\n```python\n{code}\n```")
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-        out.append(tokenizer.encode(chat, add_special_tokens=False))
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
 
 
@@ -106,7 +107,7 @@ class Driver:
                 "outputs": [self.outputs[r] for r in rids]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="auto")
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
     common.add_output_dir_arg(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     counts = args.num_prompts * len(args.max_concurrency) if len(args.num_prompts) == 1 else args.num_prompts
     if len(counts) != len(args.max_concurrency):
         sys.exit("--num-prompts takes one count or one per --max-concurrency value")
