@@ -43,7 +43,7 @@ class SpecState:
     """One request's proposer index and acceptance history (owned by the speculator)."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    ema: float = 2.0                 # optimistic start: the first proposals get a chance
+    ema: float = 1.0                 # a first pass that accepts nothing starts a rest
     rest: int = 0                    # decode steps left without proposing
     next_rest: int = FIRST_REST
 
