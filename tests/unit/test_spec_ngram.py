@@ -282,3 +282,15 @@ def test_speculation_off_above_the_batch_size_limit(llama_path):
     assert spec == plain
     # all 4 decode together from the first decode step on: no verify pass at all
     assert h.scheduler.spec.totals.verify_ct == 0
+
+
+def test_grammar_requests_do_not_speculate_and_match(llama_path):
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}, ' \
+             '"required": ["a", "b"]}'
+    reqs = [("json", _prompts()[0], dict(max_new_tokens=60, temperature=0, json_schema=schema)),
+            ("plain", _prompts()[1], dict(max_new_tokens=40, temperature=0, ignore_eos=True))]
+    plain, _, _ = _run(llama_path, reqs)
+    spec, h, rec = _run(llama_path, reqs, **SPEC)
+    assert spec == plain
+    assert {e[0] for e in rec.events} == {"plain"}          # the constrained request never speculated
+    assert h.results["json"]["last"].spec_verify_ct == 0
