@@ -92,28 +92,25 @@ class Scheduler:
 
     def _run_batch(self, batch: StepBatch) -> None:
         self.log.batch(self, batch)
+        if self.spec is not None and any(req.draft_ids for req in batch.reqs):
+            self._process(batch, *self.spec.forward(batch, self.runner, self.kv.req_to_token_pool, self.output))
+            return
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         ids: list[int] = []
-        verify_rows: list[int] = []        # flat rows of the proposals' logits but the last (speculation)
-        offset = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            k = len(req.draft_ids)
-            ids.extend(req.token_slice(req.kv_committed_len, req.kv_committed_len + n - k))
-            ids.extend(req.draft_ids)
-            verify_rows.extend(range(offset, offset + k))
-            offset += n
+            ids.extend(req.token_slice(req.kv_committed_len, req.kv_committed_len + n))
         rows = [req.req_pool_idx for req in batch.reqs]
         fb = self.runner.make_forward_batch(mode, ids, rows, batch.prefix_lens, batch.seq_lens,
                                             batch.out_cache_loc, self.kv.req_to_token_pool)
         lp_rows, spans = self.output.logprob_rows(batch)
-        logits = self.runner.forward(fb, lp_rows + verify_rows)
-        self._process(batch, logits, spans, len(lp_rows))
+        logits = self.runner.forward(fb, lp_rows)
+        self._process(batch, logits, spans)
 
-    def _process(self, batch: StepBatch, logits, spans, num_lp_rows: int = 0) -> None:
+    def _process(self, batch: StepBatch, logits, spans, verify_logits: list | None = None) -> None:
+        """`verify_logits[i]`: [1 + K, vocab] for a request that verified K proposals (else None)."""
         out = self.output
-        extra = logits.extra_logits
         if spans or any(req.wants_input_logprobs for req in batch.reqs):
-            out.record_input_logprobs(spans, None if extra is None else extra[:num_lp_rows], batch)
+            out.record_input_logprobs(spans, logits.extra_logits, batch)
         for req in batch.reqs:
             req.forward_passes += 1
         to_sample: list[tuple[int, Req]] = []
@@ -128,7 +125,9 @@ class Scheduler:
             elif not out.finished_before_sampling(req):
                 to_sample.append((i, req))
         if verify:
-            self._verify(verify, logits, num_lp_rows)
+            n = self.spec.verify([req for _, req in verify], [verify_logits[i] for i, _ in verify])
+            self.gen_tokens.append((time.monotonic(), n))
+            self.generated_tokens += n
         if to_sample:
             idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
             reqs = [req for _, req in to_sample]
@@ -139,18 +138,6 @@ class Scheduler:
         for req in batch.reqs:
             if req.finished:
                 self._release(req)
-
-    def _verify(self, verify: list[tuple[int, Req]], logits, num_lp_rows: int) -> None:
-        """Speculating requests: logits at the last token and each proposal but the last (extra rows,
-        in batch order, after the input-logprob rows), and at the last proposal (its next-token row)."""
-        per_req, row = [], num_lp_rows
-        for i, req in verify:
-            k = len(req.draft_ids)
-            per_req.append(torch.cat([logits.extra_logits[row:row + k], logits.next_token_logits[i:i + 1]]))
-            row += k
-        n = self.spec.verify([req for _, req in verify], per_req)
-        self.gen_tokens.append((time.monotonic(), n))
-        self.generated_tokens += n
 
     def _release(self, req: Req) -> None:
         if req in self.running:

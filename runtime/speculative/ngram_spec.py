@@ -25,6 +25,7 @@ per verify; below MIN_ACCEPT it rests, for a back-off that doubles each time, th
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,50 @@ class NgramSpeculator:
                 st.rest -= 1
                 continue
             req.draft_ids = st.index.propose(req.all_ids, k, self.min_n, self.max_n)
+
+    # ------------------------------------------------------------ forward
+    def forward(self, batch, runner, req_to_token_pool, output) -> tuple:
+        """The forward pass of a step in which some requests verify proposals. Returns (LogitsOutput with
+        one next-token row per request and the input-logprob rows, spans, per-request verify logits).
+
+        All decodes: one DECODE pass over 1 + K rows per speculating request, row j a one-token decode
+        of position c + j whose attention reads the request's table row up to c + j + 1 (each layer writes
+        the K/V of every row before any row attends, so row j sees the proposals before it). That is the
+        plain decode path (the one-call CPU decoder, CUDA graphs), batch 1 + K. With a prefill in the
+        batch: one EXTEND pass, the proposals' logits as extra rows."""
+        from ..model_executor.forward_batch import ForwardMode
+        from ..model_executor.model_runner import LogitsOutput
+
+        reqs, lens = batch.reqs, batch.extend_lens
+        ids: list[int] = []
+        for req, n in zip(reqs, lens):
+            c = req.kv_committed_len
+            ids.extend(req.token_slice(c, c + n - len(req.draft_ids)))
+            ids.extend(req.draft_ids)
+        starts = list(itertools.accumulate(lens, initial=0))
+        if all(req.kv_committed_len >= req.prompt_len for req in reqs):
+            rows, prefix = [], []
+            for req, n in zip(reqs, lens):
+                rows.extend([req.req_pool_idx] * n)
+                prefix.extend(range(req.kv_committed_len, req.kv_committed_len + n))
+            fb = runner.make_forward_batch(ForwardMode.DECODE, ids, rows, prefix, [p + 1 for p in prefix],
+                                           batch.out_cache_loc, req_to_token_pool)
+            flat = runner.forward(fb).next_token_logits                          # [sum(lens), vocab]
+            last = torch.tensor([s - 1 for s in starts[1:]], device=flat.device)
+            per_req = [flat[s:e] if req.draft_ids else None for req, s, e in zip(reqs, starts, starts[1:])]
+            return LogitsOutput(flat[last], None), [], per_req
+        fb = runner.make_forward_batch(ForwardMode.EXTEND, ids, [req.req_pool_idx for req in reqs],
+                                       batch.prefix_lens, batch.seq_lens, batch.out_cache_loc, req_to_token_pool)
+        lp_rows, spans = output.logprob_rows(batch)
+        verify_rows = [r for req, s, n in zip(reqs, starts, lens) for r in range(s + n - 1 - len(req.draft_ids),
+                                                                                 s + n - 1)]
+        logits = runner.forward(fb, lp_rows + verify_rows)
+        extra, per_req, row = logits.extra_logits, [], len(lp_rows)
+        for i, req in enumerate(reqs):
+            k = len(req.draft_ids)
+            per_req.append(torch.cat([extra[row:row + k], logits.next_token_logits[i:i + 1]]) if k else None)
+            row += k
+        return LogitsOutput(logits.next_token_logits, extra[:len(lp_rows)] if lp_rows else None), spans, per_req
 
     # ------------------------------------------------------------- verify
     def verify(self, reqs: list, logits: list[torch.Tensor]) -> int:
