@@ -142,7 +142,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = _f(1, "Shortest n-gram (ending at the last token) that "
                                                       "must match earlier text to propose.")
     speculative_ngram_max_match_window_size: int = _f(12, "Longest n-gram compared; the longest match wins.")
-    speculative_disable_by_batch_size: int = _f(4, "Do not speculate in steps with more decoding requests than "
+    speculative_disable_by_batch_size: int = _f(2, "Do not speculate in steps with more decoding requests than "
                                                 "this (a verify pass is no longer nearly free; vLLM's name).")
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")

@@ -21,6 +21,8 @@ a request that is decoding, has no grammar, has room left (max_new_tokens, conte
 match; the batch has at most --speculative-disable-by-batch-size decoding requests; and the
 request's recent acceptance pays for a verify pass (an exponential average of accepted proposals
 per verify; below MIN_ACCEPT it rests, for a back-off that doubles each time, then tries again).
+A request proposes at most about one token more than that average (each proposal is one more row
+of the pass), up to --speculative-num-draft-tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from ..layers.sampling_batch_info import is_plain_greedy
 from .ngram import NgramIndex
 
-MIN_ACCEPT = 0.8        # accepted proposals per verify (average) below which a request rests
+MIN_ACCEPT = 1.0        # accepted proposals per verify (average) below which a request rests
 EMA_DECAY = 0.7         # weight of the past in that average
 FIRST_REST = 4          # decode steps of the first rest; doubled each time, up to MAX_REST
 MAX_REST = 256
@@ -78,14 +80,17 @@ class NgramSpeculator:
         if len(decoding) > self.max_bs:
             return
         for req in decoding:
-            k = min(self.num_draft, req.remaining_new_tokens() - 1, context_len - req.seq_len)
-            if k <= 0 or req.grammar is not None or req.to_abort is not None or req.finished:
+            if req.grammar is not None or req.to_abort is not None or req.finished:
                 continue
             st = req.spec_state
             if st is None:
                 st = req.spec_state = SpecState()
             if st.rest > 0:
                 st.rest -= 1
+                continue
+            # each proposal costs a row of the pass: propose about one more than recently accepted
+            k = min(self.num_draft, int(st.ema) + 2, req.remaining_new_tokens() - 1, context_len - req.seq_len)
+            if k <= 0:
                 continue
             req.draft_ids = st.index.propose(req.all_ids, k, self.min_n, self.max_n)
 
