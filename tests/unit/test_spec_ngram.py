@@ -294,3 +294,27 @@ def test_grammar_requests_do_not_speculate_and_match(llama_path):
     assert spec == plain
     assert {e[0] for e in rec.events} == {"plain"}          # the constrained request never speculated
     assert h.results["json"]["last"].spec_verify_ct == 0
+
+
+def test_sampled_outputs_identical_over_many_seeds(llama_path):
+    # With a seed every draw depends only on (seed, output position) and the logits, so the sampled
+    # tokens must match plain decoding one for one: a stronger check than comparing distributions.
+    prompt = _prompts()[1]
+    reqs = [(f"s{seed}", prompt, dict(max_new_tokens=24, temperature=t, top_p=0.9 if seed % 2 else 1.0,
+                                       sampling_seed=seed, ignore_eos=True))
+            for seed in range(12) for t in (0.3,)]
+    plain, _, _ = _run(llama_path, reqs)
+    spec, h, _ = _run(llama_path, reqs, **SPEC)
+    assert spec == plain
+    assert h.scheduler.spec.totals.accepted_tokens > 0
+    assert len({tuple(v[0]) for v in plain.values()}) > 1          # the seeds do give different texts
+
+
+def test_decode_log_line_reports_accept_length(llama_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="radixlm.scheduler"):
+        _run(llama_path, _greedy_reqs(24)[1:2], decode_log_interval=2, **SPEC)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert lines and all("accept len: " in line for line in lines)
+    assert any(float(line.split("accept len: ")[1].split(",")[0]) > 1.0 for line in lines)
