@@ -252,6 +252,8 @@ class ServerArgs:
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
         self._validate_kv_cache_dtype()
+        if self.speculative_algorithm not in (None, "ngram", "NGRAM"):
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} is not supported; use NGRAM")
         if self.speculative_num_draft_tokens < 1 or self.speculative_disable_by_batch_size < 0:
             raise ValueError("--speculative-num-draft-tokens must be >= 1 and "
                              "--speculative-disable-by-batch-size >= 0")

@@ -318,3 +318,15 @@ def test_decode_log_line_reports_accept_length(llama_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
     assert lines and all("accept len: " in line for line in lines)
     assert any(float(line.split("accept len: ")[1].split(",")[0]) > 1.0 for line in lines)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(speculative_algorithm="EAGLE"), "not supported"),
+    (dict(speculative_num_draft_tokens=0), "num-draft-tokens"),
+    (dict(speculative_ngram_min_match_window_size=3, speculative_ngram_max_match_window_size=2), "window"),
+])
+def test_bad_speculative_args_are_refused(bad, message):
+    from radixlm.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match=message):
+        ServerArgs.from_kwargs(**{"speculative_algorithm": "ngram", **bad}).validate()
