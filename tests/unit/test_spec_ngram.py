@@ -330,3 +330,14 @@ def test_bad_speculative_args_are_refused(bad, message):
 
     with pytest.raises(ValueError, match=message):
         ServerArgs.from_kwargs(**{"speculative_algorithm": "ngram", **bad}).validate()
+
+
+@pytest.mark.parametrize("page_size,total", [(1, 240), (16, 256)])
+def test_small_pool_drops_proposals_then_preempts_and_stays_exact(llama_path, page_size, total):
+    # a pool too small for every request's next tokens: proposals go first, then requests are retracted
+    reqs = _greedy_reqs(40)
+    kw = dict(max_total_tokens=total, page_size=page_size, max_prefill_tokens=256, schedule_conservativeness=0.0)
+    plain, _, _ = _run(llama_path, reqs, **kw)
+    spec, h, rec = _run(llama_path, reqs, **kw, **SPEC)
+    assert spec == plain
+    assert h.scheduler.planner.stats().num_preemptions > 0 and rec.max_accepted() >= 1
