@@ -45,6 +45,9 @@ _CUMULATIVE_FIELDS = {
     "prefix_cache_hits": "prefix_cache_hits",
     "num_preemptions": "num_preemptions",
     "late_divergence_misses": "late_divergence_misses",
+    "spec_verify_ct": "spec_verify_ct",
+    "spec_draft_tokens": "spec_draft_tokens",
+    "spec_accepted_tokens": "spec_accepted_tokens",
 }
 
 
@@ -56,6 +59,8 @@ ALIASES = {
     "sglang:cache_hit_rate": "cache_hit_rate",
     "sglang:gen_throughput": "gen_throughput",
     "sglang:max_total_num_tokens": "max_total_tokens",
+    "sglang:spec_accept_length": "spec_accept_length",
+    "sglang:spec_accept_rate": "spec_accept_rate",
     "vllm:num_requests_running": "num_requests_running",
     "vllm:num_requests_waiting": "num_requests_waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
@@ -102,6 +107,10 @@ class MetricsCollector:
         self.gen_throughput = self._gauge("gen_throughput", "Generation throughput (tokens/s) of the last stats.")
         self.cache_hit_rate = self._gauge(
             "cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
+        self.spec_accept_length = self._gauge(
+            "spec_accept_length", "Speculative decoding: tokens per verify pass (accepted proposals + 1), since start.")
+        self.spec_accept_rate = self._gauge(
+            "spec_accept_rate", "Speculative decoding: accepted / verified proposals, since start.")
 
     def _make_aliases(self) -> dict[str, list[Gauge]]:
         """One Gauge per name in ALIASES; returns radixlm attribute -> its alias gauges."""
@@ -128,6 +137,9 @@ class MetricsCollector:
         self.num_finished_requests = self._counter("num_finished_requests", "Requests that finished.")
         self.late_divergence_misses = self._counter(
             "prefix_cache_late_divergence_misses", "Prefix-cache misses where a match diverged late.")
+        self.spec_verify_ct = self._counter("spec_verify_ct", "Speculative verify passes (one per request).")
+        self.spec_draft_tokens = self._counter("spec_draft_tokens", "Speculative proposals verified.")
+        self.spec_accepted_tokens = self._counter("spec_accepted_tokens", "Speculative proposals accepted.")
 
     def _make_histograms(self) -> None:
         self.time_to_first_token = self._histogram(
@@ -182,6 +194,10 @@ class MetricsCollector:
         queries = sum(last.get("prefix_cache_queries", 0) for last in self._last_cumulative.values())
         hits = sum(last.get("prefix_cache_hits", 0) for last in self._last_cumulative.values())
         self._set("cache_hit_rate", hits / queries if queries > 0 else 0.0)
+        verify, drafted, accepted = (sum(last.get(k, 0) for last in self._last_cumulative.values())
+                                     for k in ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens"))
+        self._set("spec_accept_length", (accepted + verify) / verify if verify > 0 else 0.0)
+        self._set("spec_accept_rate", accepted / drafted if drafted > 0 else 0.0)
 
     # ------------------------------------------------------------------ export
     def set_max_total_tokens(self, value: int) -> None:

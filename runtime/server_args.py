@@ -137,6 +137,17 @@ class ServerArgs:
                                       tuple(TOOL_CALL_PARSERS))
     reasoning_parser: str | None = _f(None, "Parser that splits reasoning text from content (e.g. qwen3).",
                                       tuple(REASONING_PARSERS))
+    # --- speculative decoding (runtime/speculative)
+    speculative_algorithm: str | None = _f(None, "Speculative decoding: NGRAM (or ngram) proposes the next tokens "
+                                           "from the request's own prompt and output (prompt lookup, no draft "
+                                           "model) and verifies them in one forward pass. Default: off.",
+                                           ("ngram", "NGRAM"))
+    speculative_num_draft_tokens: int = _f(4, "Tokens proposed (and verified) per speculating request per step.")
+    speculative_ngram_min_match_window_size: int = _f(1, "Shortest n-gram (ending at the last token) that "
+                                                      "must match earlier text to propose.")
+    speculative_ngram_max_match_window_size: int = _f(12, "Longest n-gram compared; the longest match wins.")
+    speculative_disable_by_batch_size: int = _f(2, "Do not speculate in steps with more decoding requests than "
+                                                "this (a verify pass is no longer nearly free; vLLM's name).")
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")
@@ -251,6 +262,14 @@ class ServerArgs:
             from .mem_cache.kv_events import KVEventsConfig
 
             KVEventsConfig.from_json(self.kv_events_config)
+        if self.speculative_algorithm not in (None, "ngram", "NGRAM"):
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} is not supported; use NGRAM")
+        if self.speculative_num_draft_tokens < 1 or self.speculative_disable_by_batch_size < 0:
+            raise ValueError("--speculative-num-draft-tokens must be >= 1 and "
+                             "--speculative-disable-by-batch-size >= 0")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                             "--speculative-ngram-max-match-window-size")
         if self.grammar_backend == "llguidance":
             raise ValueError("--grammar-backend llguidance is not supported; use outlines (default) or xgrammar")
         if self.attention_backend == "flashinfer" and self.device == "cpu":

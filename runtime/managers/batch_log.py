@@ -3,6 +3,9 @@
     Prefill batch. #new-seq: 2, #new-token: 310, #cached-token: 64, token usage: 0.01, #running-req: 5, #queue-req: 0
     Decode batch. #running-req: 7, #token: 2210, token usage: 0.03, gen throughput (token/s): 92.41, #queue-req: 0
 
+With speculative decoding on, the decode line also has `accept len: 2.31` (tokens per verify pass
+since the last decode line: accepted proposals + the model's own token) after the token usage.
+
 One prefill line per step that prefills (new requests or chunks), one decode line every
 `decode_log_interval` steps that decode. Off the hot path: a step that logs nothing costs a
 counter increment and one pass over the batch's lengths.
@@ -27,6 +30,7 @@ class BatchLog:
         self.decode_steps = 0
         self.last_time = time.monotonic()
         self.last_generated = 0
+        self.last_verify = (0, 0)          # (verify passes, accepted proposals) at the last decode line
 
     def batch(self, scheduler: Scheduler, batch: StepBatch) -> None:
         """Called once per step, before the forward pass (reads lengths, changes nothing)."""
@@ -51,9 +55,15 @@ class BatchLog:
         tokens = scheduler.generated_tokens - self.last_generated
         tput = tokens / (now - self.last_time) if now > self.last_time else 0.0
         self.last_time, self.last_generated = now, scheduler.generated_tokens
-        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
+        spec = ""
+        if scheduler.spec is not None:
+            t = scheduler.spec.totals
+            verify, accepted = t.verify_ct - self.last_verify[0], t.accepted_tokens - self.last_verify[1]
+            self.last_verify = (t.verify_ct, t.accepted_tokens)
+            spec = f"accept len: {(accepted + verify) / verify if verify else 0.0:.2f}, "
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): "
                     "%.2f, #queue-req: %d", len(scheduler.running), scheduler.kv.used_tokens(), _usage(scheduler),
-                    tput, len(scheduler.waiting))
+                    spec, tput, len(scheduler.waiting))
 
 
 def _usage(scheduler: Scheduler) -> float:

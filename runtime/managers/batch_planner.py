@@ -104,7 +104,7 @@ class BatchPlanner:
         decoding = [req for req in running if req.kv_committed_len >= req.prompt_len]
         for req in decoding:
             batch.reqs.append(req)
-            batch.extend_lens.append(req.extend_len)
+            batch.extend_lens.append(req.extend_len + len(req.draft_ids))   # + speculative proposals
         budget = PrefillBudget(
             rem_total_tokens=self.kv.available_tokens() - self._decode_reserve(running) - self._need(batch),
             rem_input_tokens=self.args.max_prefill_tokens, chunk_tokens=self.chunk_tokens,
@@ -184,11 +184,18 @@ class BatchPlanner:
         retracted: list[Req] = []
         while True:
             decoding = [req for req in running if req.kv_committed_len >= req.prompt_len]
-            need = self._need(StepBatch(decoding, [req.extend_len for req in decoding]))
-            if self.kv.ensure_free(need) or len(running) <= 1:
+            need = self._need(StepBatch(decoding, [req.extend_len + len(req.draft_ids) for req in decoding]))
+            if self.kv.ensure_free(need):
+                return retracted
+            if any(req.draft_ids for req in decoding):      # drop speculation before preempting anyone
+                for req in decoding:
+                    req.draft_ids = []
+                continue
+            if len(running) <= 1:
                 return retracted
             victim = min(running, key=lambda req: (len(req.output_ids), -req.arrival_time))
             running.remove(victim)
+            victim.draft_ids = []
             self.kv.cache_finished_req(victim)      # no row, lock or prefix left: recomputed later
             victim.num_preemptions += 1
             retracted.append(victim)

@@ -101,6 +101,8 @@ class ReqTokenOut:
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     jump_forward_tokens: int = 0
     forward_passes: int = 0
+    spec_verify_ct: int = 0                # speculative verify passes (cumulative)
+    spec_accepted_tokens: int = 0          # proposals accepted (cumulative)
 
 
 @dataclass
@@ -136,6 +138,9 @@ class SchedulerStats:
     late_divergence_misses: int = 0
     generated_tokens: int = 0            # cumulative
     gen_throughput: float = 0.0
+    spec_verify_ct: int = 0              # cumulative speculative verify passes
+    spec_draft_tokens: int = 0           # cumulative proposals verified
+    spec_accepted_tokens: int = 0        # cumulative proposals accepted
     dp_rank: int = 0
 
 

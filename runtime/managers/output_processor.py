@@ -206,7 +206,8 @@ class OutputProcessor:
             rid=req.rid, new_token_ids=list(new), finish_reason=req.finished_reason,
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, jump_forward_tokens=req.jump_forward_tokens,
-            forward_passes=req.forward_passes)
+            forward_passes=req.forward_passes, spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens)
         if not req.sent_first:
             out.decode = DecodeParams(sp.skip_special_tokens, sp.spaces_between_special_tokens,
                                       list(sp.stop), list(sp.stop_regex), sp.no_stop_trim)

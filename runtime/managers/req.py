@@ -57,6 +57,11 @@ class Req:
     forward_passes: int = 0
     jump_forward_tokens: int = 0
     penalty_state: Any = None            # PenaltyState (layers/sampling_batch_info.py), once penalized
+    # speculative decoding (runtime/speculative): this step's proposals, verified after token seq_len-1
+    draft_ids: list[int] = field(default_factory=list)
+    spec_state: Any = None               # SpecState (proposer index, acceptance history), once decoding
+    spec_verify_ct: int = 0              # verify passes
+    spec_accepted_tokens: int = 0        # proposals accepted into the output
     # structured generation
     grammar: Any = None                  # GrammarMatcher, once compiled
     grammar_future: Any = None

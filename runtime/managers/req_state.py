@@ -65,6 +65,8 @@ class ReqState:
     cached_tokens: int = 0
     jump_forward_tokens: int = 0
     forward_passes: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
     logprobs: dict[str, list] = field(default_factory=lambda: {
         "input_token_logprobs": [], "input_top_logprobs": [], "output_token_logprobs": [],
         "output_top_logprobs": []})

@@ -76,6 +76,11 @@ class Scheduler:
         self.generated_tokens = 0
         self.last_stats = 0.0
         self.log = BatchLog(server_args.decode_log_interval)
+        self.spec = None
+        if server_args.speculative_algorithm:
+            from ..speculative.ngram_spec import NgramSpeculator
+
+            self.spec = NgramSpeculator(server_args, self.output, self.kv)
 
     # --------------------------------------------------------------- loop
     def has_work(self) -> bool:
@@ -88,6 +93,8 @@ class Scheduler:
         if self.waiting and not self.running and self.sessions.held_tokens():
             head = self.waiting[0]           # sessions must not starve the pool: unlock what it lacks
             self.sessions.reclaim(head.prompt_len + head.sampling_params.max_new_tokens)
+        if self.spec is not None:
+            self.spec.propose(self.running, self.runner.context_len)
         batch = self.planner.plan(self.running, self.waiting)
         requeue(batch, self.running, self.waiting)
         if batch.reqs:
@@ -96,6 +103,9 @@ class Scheduler:
 
     def _run_batch(self, batch: StepBatch) -> None:
         self.log.batch(self, batch)
+        if self.spec is not None and any(req.draft_ids for req in batch.reqs):
+            self._process(batch, *self.spec.forward(batch, self.runner, self.kv.req_to_token_pool, self.output))
+            return
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         ids: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -107,19 +117,28 @@ class Scheduler:
         logits = self.runner.forward(fb, lp_rows)
         self._process(batch, logits, spans)
 
-    def _process(self, batch: StepBatch, logits, spans) -> None:
+    def _process(self, batch: StepBatch, logits, spans, verify_logits: list | None = None) -> None:
+        """`verify_logits[i]`: [1 + K, vocab] for a request that verified K proposals (else None)."""
         out = self.output
         if spans or any(req.wants_input_logprobs for req in batch.reqs):
             out.record_input_logprobs(spans, logits.extra_logits, batch)
         for req in batch.reqs:
             req.forward_passes += 1
         to_sample: list[tuple[int, Req]] = []
-        for i in self.kv.commit(batch.reqs, batch.extend_lens):     # whole sequence computed: sample
+        verify: list[tuple[int, Req]] = []
+        commit_lens = [n - len(req.draft_ids) for req, n in zip(batch.reqs, batch.extend_lens)]
+        for i in self.kv.commit(batch.reqs, commit_lens):     # whole sequence computed: sample
             req = batch.reqs[i]
             if req.wants_input_logprobs:
                 req.input_logprobs_done = True
-            if not out.finished_before_sampling(req):
+            if req.draft_ids:
+                verify.append((i, req))
+            elif not out.finished_before_sampling(req):
                 to_sample.append((i, req))
+        if verify:
+            n = self.spec.verify([req for _, req in verify], [verify_logits[i] for i, _ in verify])
+            self.gen_tokens.append((time.monotonic(), n))
+            self.generated_tokens += n
         if to_sample:
             idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
             reqs = [req for _, req in to_sample]
@@ -232,7 +251,15 @@ class Scheduler:
             kv_evictable_tokens=kv.evictable_tokens(), max_total_tokens=kv.total_tokens,
             num_preemptions=planned.num_preemptions, prefix_cache_queries=planned.prefix_cache_queries,
             prefix_cache_hits=planned.prefix_cache_hits, late_divergence_misses=planned.late_divergence_misses,
-            generated_tokens=self.generated_tokens, gen_throughput=self.gen_throughput(), dp_rank=self.dp_rank)
+            generated_tokens=self.generated_tokens, gen_throughput=self.gen_throughput(), dp_rank=self.dp_rank,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        t = self.spec.totals
+        return {"spec_verify_ct": t.verify_ct, "spec_draft_tokens": t.draft_tokens,
+                "spec_accepted_tokens": t.accepted_tokens}
 
     def internal_state(self) -> dict:
         kv, planned, pool = self.kv, self.planner.stats(), self.kv.req_to_token_pool
@@ -249,6 +276,7 @@ class Scheduler:
             "prefix_cache_queries": planned.prefix_cache_queries, "prefix_cache_hits": planned.prefix_cache_hits,
             "late_divergence_misses": planned.late_divergence_misses,
             "last_divergence_position": planned.last_divergence_position,
+            **({"avg_spec_accept_length": self.spec.accept_length(), **self._spec_stats()} if self.spec else {}),
             **self.runner.info(),
         }
 

@@ -256,6 +256,10 @@ class TokenizerManager:
             "completion_tokens": st.completion_tokens, "cached_tokens": st.cached_tokens,
             "e2e_latency": time.perf_counter() - st.created, "jump_forward_tokens": st.jump_forward_tokens,
             "forward_passes": st.forward_passes}
+        if self.server_args.speculative_algorithm:     # SGLang's names; accept length = tokens per verify
+            meta["spec_verify_ct"] = st.spec_verify_ct
+            meta["spec_accept_length"] = (st.spec_accepted_tokens + st.spec_verify_ct) / st.spec_verify_ct \
+                if st.spec_verify_ct else 0.0
         if st.return_logprob:
             meta.update({k: list(v) for k, v in st.logprobs.items()})
         out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
@@ -301,6 +305,7 @@ class TokenizerManager:
         st.prompt_tokens, st.cached_tokens = tok.prompt_tokens, tok.cached_tokens
         st.completion_tokens, st.jump_forward_tokens = tok.completion_tokens, tok.jump_forward_tokens
         st.forward_passes = tok.forward_passes
+        st.spec_verify_ct, st.spec_accepted_tokens = tok.spec_verify_ct, tok.spec_accepted_tokens
         if st.return_logprob:
             lp, t, triples = st.logprobs, st.text_in_logprobs, self.token_texts.triples
             lp["input_token_logprobs"] += triples(tok.input_token_logprobs, t)

@@ -19,6 +19,9 @@ The life of a request, as the planner and the scheduler drive it:
     ... forward pass ...
     kv.commit(reqs, extend_lens)              kv_committed_len += n; a finished chunk or prefill is shared
                                               (cache_unfinished_req: share it, lock the longer prefix)
+    kv.trim_draft(req, accepted, drafted)     after a speculative verify pass (alloc_extend gave the
+                                              last token + `drafted` proposals slots, commit counted 1):
+                                              keep the accepted proposals' KV, free the rejected pages
     kv.cache_finished_req(req)                done, aborted or retracted: share, free the rest
 
 Not thread-safe: only the scheduler loop calls it.
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..utils import align_down
+from ..utils import align_down, align_up
 from .base_cache import BasePrefixCache, InsertResult, MatchResult
 from .memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, new_slots_needed
 
@@ -232,6 +235,22 @@ class KVManager:
             if done:
                 ready.append(i)
         return ready
+
+    def trim_draft(self, req: KVReq, accepted: int, drafted: int) -> None:
+        """A verify pass computed KV for tokens [e, e + drafted) of the row (e = kv_committed_len, after
+        `commit` counted the last token), of which the first `accepted` are now in the output: keeps
+        those (kv_committed_len += accepted) and frees the pages that hold only rejected proposals.
+        Rejected slots in the kept tail page stay with the request (a page is freed whole); the next
+        allocation continues that page over them."""
+        assert 0 <= accepted <= drafted, (accepted, drafted)
+        end = req.kv_committed_len + drafted
+        req.kv_committed_len += accepted
+        first_free = align_up(req.kv_committed_len, self.page_size)
+        if end > first_free:
+            row = req.req_pool_idx
+            self.allocator.free(self.req_to_token_pool.req_to_token[row, first_free:end].to(torch.int64))
+        if drafted > accepted:
+            self._tail_slot.pop(req.req_pool_idx, None)      # the host copy is past the kept tail
 
     def cache_finished_req(self, req: KVReq) -> None:
         """The request is done (finished, aborted or retracted): share its KV, free the rest.

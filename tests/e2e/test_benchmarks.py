@@ -71,6 +71,18 @@ def test_bench_one_batch(qwen2_path: str, tmp_path: Path) -> None:
     assert doc["roofline_batch1_tok_s"] > 0 and doc["batch1_fraction_of_roofline"] > 0
 
 
+def test_bench_speculative(llama_path: str, tmp_path: Path) -> None:
+    bench = load_bench("bench_speculative")
+    bench.main(["--model-path", llama_path, "--dtype", "float32", "--max-concurrency", "1", "3", "--num-prompts", "1",
+                "3", "--max-new-tokens", "8", "--random-input-len", "16", "--max-total-tokens", "4096",
+                "--output-dir", str(tmp_path)])
+    doc = read_result(tmp_path, "bench_speculative")
+    assert [(r["workload"], r["concurrency"]) for r in doc["results"]] == [
+        ("edit", 1), ("edit", 3), ("random", 1), ("random", 3)]
+    assert all(r["greedy_identical"] and r["on"]["output_tokens"] == r["off"]["output_tokens"] > 0
+               for r in doc["results"])
+
+
 def test_bench_offline_throughput(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RADIXLM_BENCH_MODELS", str(tmp_path / "models"))
     bench = load_bench("bench_offline_throughput")

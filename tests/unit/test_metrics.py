@@ -17,7 +17,8 @@ def _families(collector: MetricsCollector) -> dict[str, tuple[str, list]]:
 def _stats(**kw) -> SchedulerStats:
     base = dict(num_running_reqs=3, num_waiting_reqs=2, num_grammar_queue_reqs=1, kv_used_tokens=250,
                 kv_evictable_tokens=100, max_total_tokens=1000, num_preemptions=0, prefix_cache_queries=400,
-                prefix_cache_hits=100, gen_throughput=12.5)
+                prefix_cache_hits=100, gen_throughput=12.5, spec_verify_ct=10, spec_draft_tokens=40,
+                spec_accepted_tokens=15)
     return SchedulerStats(**{**base, **kw})
 
 
@@ -27,7 +28,8 @@ def test_aliases_are_gauges_with_the_model_name_and_radixlm_values():
     m.update_scheduler_stats(_stats())
     fams = _families(m)
     expected = {"num_requests_running": 3, "num_requests_waiting": 3, "kv_cache_usage": 0.25,
-                "cache_hit_rate": 0.25, "gen_throughput": 12.5, "max_total_tokens": 1000}
+                "cache_hit_rate": 0.25, "gen_throughput": 12.5, "max_total_tokens": 1000,
+                "spec_accept_length": 2.5, "spec_accept_rate": 0.375}
     for attr, value in expected.items():
         kind, samples = fams["radixlm:" + attr]
         assert kind == "gauge" and [s.value for s in samples] == [value], attr
