@@ -286,13 +286,19 @@ void run(const QX& xr, const uint8_t* wp, int64_t M, int64_t N, int64_t K, T* op
   const int64_t chunk = std::max<int64_t>(MR, kChunkBytes / K / MR * MR);
   const int64_t threads = at::get_num_threads();
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-    const int64_t c1 = std::min(M, c0 + chunk);
-    at::parallel_for(0, tiles, (tiles + threads - 1) / threads, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
+    const int64_t c1 = std::min(M, c0 + chunk), steps = (c1 - c0 + MR - 1) / MR;
+    // work items: (tile, slice of the chunk's rows); the rows are split only when there are too few
+    // tiles to keep every thread busy (a small N)
+    const int64_t slices = std::min(steps, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
+    const int64_t items = tiles * slices;
+    at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t i0, int64_t i1) {
+      for (int64_t it = i0; it < i1; ++it) {
+        const int64_t t = it / slices, sl = it % slices;
         const int64_t g0 = t * NG, ng = std::min<int64_t>(NG, groups - g0);
         const uint8_t* gp = wp + g0 * gbytes;
-        for (int64_t m = c0; m < c1; m += MR) {
-          const int64_t mr = std::min<int64_t>(MR, c1 - m);
+        const int64_t m_lo = c0 + steps * sl / slices * MR, m_hi = std::min(c1, c0 + steps * (sl + 1) / slices * MR);
+        for (int64_t m = m_lo; m < m_hi; m += MR) {
+          const int64_t mr = std::min<int64_t>(MR, m_hi - m);
           const int8_t* xq = xr.q.data() + m * K;
           const float* dx = xr.dx.data() + m * nb;
           const float* sx = xr.sx.data() + m * nb;
