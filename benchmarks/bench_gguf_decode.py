@@ -124,7 +124,7 @@ def child(args: argparse.Namespace) -> None:
     need = max(bs * (args.input_len + args.decode_steps + 1), longest + 1) + 64
     sa = ServerArgs.from_kwargs(model_path=args.child, device="cpu", dtype="bfloat16", max_total_tokens=need,
                                 max_running_requests=bs, page_size=1, disable_gguf_quant=args.dequantize,
-                                context_length=max(args.input_len + args.decode_steps, longest) + 16).resolved()
+                                context_length=max(args.input_len + args.decode_steps + 16, longest)).resolved()
     runner = ModelRunner(sa)
     kv = runner.kv_cache
     kv_bytes = sum(b.numel() * b.element_size() for b in (*kv.k_buffer, *kv.v_buffer))
