@@ -17,7 +17,8 @@ per row count, not once per weight:
 Auto mode (`--cpu-quant-kernel auto`, RADIXLM_CPU_QUANT_KERNEL) times the candidates per (GGUF type,
 in_features, x dtype) at ROWS rows, on the first TIME_OUT_ROWS output rows of the largest weight of
 that kind (the kernels' time per output row does not depend on the count), the best of PASSES clean
-passes (passes during which another process took the CPU are dropped, as linear_select.py does). A
+passes (passes during which another process took the CPU are dropped, as linear_select.py does;
+when none is clean, the kinds are ranked by their CPU time per thread instead, and not cached). A
 call with n rows then uses the winner of the largest bucket <= n; below ROWS[0] rows, vnni. Timing
 stops after MEASURE_BUDGET_S: untimed kinds use DEFAULT. The times are cached in linear_select's JSON
 file, keyed by CPU model + flags, torch version, threads, oneDNN cap and the cpu_quant sources' hash,
@@ -88,7 +89,7 @@ def _time(calls: dict, rows: int, in_features: int, dtype: torch.dtype, deadline
     x = (torch.randn(rows, in_features) * 0.5).to(dtype)
     threads = torch.get_num_threads()
     best = {k: math.inf for k in calls}
-    any_pass = dict(best)
+    cpu_best = dict(best)
     clean = {k: 0 for k in calls}
     for i in range(MAX_PASSES + 1):            # pass 0 warms up
         for k, call in calls.items():
@@ -98,14 +99,16 @@ def _time(calls: dict, rows: int, in_features: int, dtype: torch.dtype, deadline
             call(x)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             if i:
-                any_pass[k] = min(any_pass[k], wall * 1e6)
+                cpu_best[k] = min(cpu_best[k], cpu / threads * 1e6)
                 if cpu >= BUSY_SHARE * wall * threads:
                     clean[k] += 1
                     best[k] = min(best[k], wall * 1e6)
         if min(clean.values()) >= PASSES or (i and time.perf_counter() > deadline):
             break
     quiet = min(clean.values()) > 0
-    return {k: round(best[k] if clean[k] else any_pass[k], 1) for k in calls}, quiet
+    if not quiet:    # a neighbour took the CPU throughout: the CPU time per thread ranks them better than wall time
+        return {k: round(cpu_best[k], 1) for k in calls}, False
+    return {k: round(best[k], 1) for k in calls}, True
 
 
 def measure(part, in_features: int, dtype: torch.dtype, deadline: float) -> tuple[dict[str, dict[str, float]], bool]:
