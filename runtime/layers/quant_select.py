@@ -161,7 +161,7 @@ def choose_quant_kernels(weights: list, dtype: torch.dtype) -> dict[tuple[int, i
     cached = load_cache(cache_file())
     fresh, busy, out = {}, 0, {}
     for (qtype, k), part in sorted(kinds.items()):
-        key = f"{machine}|type={qtype}|in={k}|{str(dtype).removeprefix('torch.')}"
+        key = f"{machine}|type={qtype}|in={k}|{str(dtype).removeprefix('torch.')}|out_rows={TIME_OUT_ROWS}"
         times = cached.get(key)
         if not times or any(str(r) not in times for r in ROWS):
             times, quiet = measure(part, k, dtype, start + MEASURE_BUDGET_S)
