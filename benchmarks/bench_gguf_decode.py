@@ -9,9 +9,13 @@ layers (the first and last eighth and every third between), Q4_K for the rest (t
 gguf package cannot quantize k-quants, so those tensors are random valid blocks (random codes and
 6-bit scales, fp16 super-block scales for a weight std about 0.02). Then, per file and mode, a child process
 loads it through ModelRunner and times decode steps at --batch-sizes with bench_one_batch's
-run_batch, and reports the RSS after loading (file bytes + KV pool + fixed overhead).
+run_batch, and reports the RSS after loading (file bytes + KV pool + fixed overhead). With
+--prefill-lens, it also times one prefill of each length (batch 1, the best of --prefill-repeats; the
+first run of each length is a warm-up): the TTFT of one such prompt, less HTTP and sampling, and
+the process's CPU time per thread for it (on a shared machine the steadier of the two figures).
 
     python benchmarks/bench_gguf_decode.py [--types Q4_0 Q8_0 Q4_K_M] [--batch-sizes 1 16]
+    python benchmarks/bench_gguf_decode.py --types Q4_0 Q4_K_M --batch-sizes --prefill-lens 256 1024 2048
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -102,9 +107,10 @@ def write_gguf(path: Path, type_name: str) -> None:
     w.close()
 
 
-def rss_mib() -> float:
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident memory (VmRSS; RssAnon: heap and anonymous maps; RssFile: mapped files)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
 def child(args: argparse.Namespace) -> None:
@@ -116,19 +122,30 @@ def child(args: argparse.Namespace) -> None:
     from radixlm.runtime.server_args import ServerArgs
 
     torch.set_num_threads(args.threads)
-    bs = max(args.batch_sizes)
-    need = bs * (args.input_len + args.decode_steps + 1) + 64
+    bs = max(args.batch_sizes, default=1)
+    longest = max(args.prefill_lens, default=0)
+    need = max(bs * (args.input_len + args.decode_steps + 1), longest + 1) + 64
     sa = ServerArgs.from_kwargs(model_path=args.child, device="cpu", dtype="bfloat16", max_total_tokens=need,
                                 max_running_requests=bs, page_size=1, disable_gguf_quant=args.dequantize,
-                                context_length=args.input_len + args.decode_steps + 16).resolved()
+                                context_length=max(args.input_len + args.decode_steps + 16, longest)).resolved()
     runner = ModelRunner(sa)
     kv = runner.kv_cache
     kv_bytes = sum(b.numel() * b.element_size() for b in (*kv.k_buffer, *kv.v_buffer))
-    out = {"rss_mib_after_load": rss_mib(), "kv_pool_mib": kv_bytes / 2**20, "decode_tok_s": {}}
+    out = {"rss_mib_after_load": rss_mib(), "rss_anon_mib": rss_mib("RssAnon"), "rss_file_mib": rss_mib("RssFile"),
+           "kv_pool_mib": kv_bytes / 2**20, "decode_tok_s": {}, "prefill_s": {}}
     run_batch(runner, 1, 16, 2, 0)
     for b in args.batch_sizes:
         r = run_batch(runner, b, args.input_len, args.decode_steps, b)
         out["decode_tok_s"][b] = r["decode_tok_s"]
+    out["prefill_cpu_s"] = {}
+    for n in args.prefill_lens:
+        times, cpu = [], []
+        for i in range(1 + args.prefill_repeats):
+            c0 = time.process_time()
+            times.append(run_batch(runner, 1, n, 0, i)["prefill_s"])
+            cpu.append((time.process_time() - c0) / args.threads)
+        out["prefill_s"][n] = min(times[1:])
+        out["prefill_cpu_s"][n] = min(cpu[1:])
     out["rss_mib_end"] = rss_mib()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -136,7 +153,9 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0"])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time one prefill of each length")
+    p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--modes", nargs="+", choices=["quantized", "dequantized"], default=["quantized", "dequantized"])
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=8)
@@ -150,9 +169,10 @@ def main() -> None:
     with open("/proc/cpuinfo") as f:
         cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     print(f"CPU: {cpu}, threads {args.threads}, load {os.getloadavg()}")
-    print("| file | MiB | mode | RSS after load MiB | KV pool MiB | " +
-          " | ".join(f"decode tok/s bs {b}" for b in args.batch_sizes) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(args.batch_sizes))
+    print("| file | MiB | mode | RSS after load MiB (anon + file) | KV pool MiB | " +
+          "".join(f"decode tok/s bs {b} | " for b in args.batch_sizes) +
+          "".join(f"prefill {n} s (tok/s); CPU s / thread | " for n in args.prefill_lens))
+    print("|---|---|---|---|---|" + "---|" * (len(args.batch_sizes) + len(args.prefill_lens)))
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     for t in args.types:
         path = Path(args.work_dir) / f"tinyllama-shape-{t}.gguf"
@@ -161,13 +181,17 @@ def main() -> None:
         for dequantize in [m == "dequantized" for m in args.modes]:
             cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads),
                    "--input-len", str(args.input_len), "--decode-steps", str(args.decode_steps),
-                   "--batch-sizes", *map(str, args.batch_sizes), *(["--dequantize"] if dequantize else [])]
+                   "--batch-sizes", *map(str, args.batch_sizes), "--prefill-lens", *map(str, args.prefill_lens),
+                   "--prefill-repeats", str(args.prefill_repeats), *(["--dequantize"] if dequantize else [])]
             text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             r = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
-            rates = " | ".join(f"{r['decode_tok_s'][str(b)]:.2f}" for b in args.batch_sizes)
+            rates = "".join(f"{r['decode_tok_s'][str(b)]:.2f} | " for b in args.batch_sizes)
+            rates += "".join(f"{r['prefill_s'][str(n)]:.2f} ({n / r['prefill_s'][str(n)]:.0f}); "
+                             f"{r['prefill_cpu_s'][str(n)]:.2f} | " for n in args.prefill_lens)
             print(f"| {path.name} | {path.stat().st_size / 2**20:.0f} | "
-                  f"{'--disable-gguf-quant' if dequantize else 'quantized'} | {r['rss_mib_after_load']:.0f} | "
-                  f"{r['kv_pool_mib']:.0f} | {rates} |", flush=True)
+                  f"{'--disable-gguf-quant' if dequantize else 'quantized'} | {r['rss_mib_after_load']:.0f} "
+                  f"({r['rss_anon_mib']:.0f} + {r['rss_file_mib']:.0f}) | "
+                  f"{r['kv_pool_mib']:.0f} | {rates}", flush=True)
     print(f"load at the end {os.getloadavg()}")
 
 

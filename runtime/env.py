@@ -118,6 +118,12 @@ CPU_LINEAR_KERNEL = _var("RADIXLM_CPU_LINEAR_KERNEL", str, "auto", "Kernel of th
                          "the CPU has it) and plain F.linear per weight shape once, cached per CPU model in "
                          "linear_select.json beside the kernel cache), or force gemm, onednn or torch.",
                          "cpu_linear_kernel", ("auto", "gemm", "onednn", "torch"))
+CPU_QUANT_KERNEL = _var("RADIXLM_CPU_QUANT_KERNEL", str, "auto", "Kernel of the matmuls of GGUF weights kept "
+                        "quantized: auto (time, per GGUF type and input size, the decode kernel (vnni), the "
+                        "int8 prefill GEMM (gemm) and bf16 weight tiles through oneDNN (dequant) at 16 to 1024 "
+                        "rows once, cached beside linear_select.json's bf16 choices; each call then uses the "
+                        "winner for its row count), or force vnni, gemm or dequant at every row count.",
+                        "cpu_quant_kernel", ("auto", "vnni", "gemm", "dequant"))
 CPU_KERNEL_ISA = _var("RADIXLM_CPU_KERNEL_ISA", str, None, "SIMD path of the C++ CPU kernels (default: the "
                       "best this CPU runs, avx512 then avx2).", "cpu_kernel_isa", ("avx512", "avx2"))
 REQUIRE_KERNELS = _var("RADIXLM_REQUIRE_KERNELS", bool, False, "Fail (RuntimeError) when a C++ CPU kernel that "

@@ -35,4 +35,4 @@ def load_cpu_quant():
     if not cpu_supports_quant():
         return None
     return load_extension("cpu_quant", "GGUF quantized linear kernel", "avx512", [_SRC_DIR / "quant.cpp"],
-                          [_SRC_DIR / "quant.h", _SRC_DIR / "kquant.h"], extra_flags=QUANT_FLAGS)
+                          [_SRC_DIR / "quant.h", _SRC_DIR / "kquant.h", _SRC_DIR / "qgemm.h"], extra_flags=QUANT_FLAGS)

@@ -1,6 +1,7 @@
 // Python bindings of quant.h (the layout and the kernels are described there).
 #include "quant.h"
 #include "kquant.h"
+#include "qgemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_bytes", &radixlm_quant::packed_bytes, "bytes of the repacked copy of an [n, k] weight of a GGUF type");
@@ -12,5 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("k_packed_bytes", &radixlm_kquant::packed_bytes, "bytes of the repacked copy of an [n, k] k-quant weight");
   m.def("k_repack", &radixlm_kquant::repack, "k_repack(raw uint8, type, n, k, out uint8)");
   m.def("k_dequantize_rows", &radixlm_kquant::dequantize_rows, "k_dequantize_rows(packed, type, n, k, ids) -> fp32");
+  m.def("gemm", &radixlm_qgemm::gemm, "gemm(x [m, k] bf16/fp32, packed, type, n) -> [m, n]: the prefill kernel, any type");
+  m.def("dequantize_bf16", &radixlm_qgemm::dequantize_bf16,
+        "dequantize_bf16(packed, type, n, k, g0, g1) -> rows of groups [g0, g1) as [rows, k] bf16");
   m.def("k_linear", &radixlm_kquant::linear, "k_linear(x [m, k] bf16/fp32, packed, type, n) -> [m, n]");
 }

@@ -10,7 +10,10 @@ per 256 weights, their 6-bit scales unpacked), else as in the file:
     y = w.linear(x)                                       # x [n, in] -> [n, out] in x's dtype
     e = w.rows(ids, dtype)                                # embedding lookup: rows dequantized
 
-`linear()` in packed_linear.py dispatches here when a layer's `packed_weight` is a QuantWeight.
+`linear()` in packed_linear.py dispatches here when a layer's `packed_weight` is a QuantWeight. With
+the kernel on, each part's product goes through the kernel quant_select.py chose for its row count:
+the decode kernel (vnni) for a few rows, the prefill GEMM (gemm) or bf16 tiles through oneDNN
+(dequant) for many, all on the same repacked bytes.
 Without the kernel (`--disable-cpu-kernels`, a CPU without AVX512-VNNI) the torch code dequantizes
 the part (`dequantize`, exact vs gguf.quants.dequantize) and multiplies in fp32: correct, slow.
 """
@@ -21,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ...kernels.cpu_quant import KERNEL_TYPES, KQUANT_TYPES, load_cpu_quant
+from .quant_select import TILE_BYTES, kernel_for
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8       # ggml's type numbers (gguf.GGMLQuantizationType)
 QK = 32                                             # weights per block
@@ -61,7 +66,7 @@ class QuantWeight:
         """x @ W.T + bias. x: [n, in] -> [n, out] in x's dtype."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        outs = [_part_linear(p, x, self.in_features) for p in self.parts]
+        outs = [part_linear(p, x, self.in_features) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if bias is None else y + bias
 
@@ -127,11 +132,31 @@ def _fn(mod, qtype: int, name: str):
     return getattr(mod, f"k_{name}" if qtype in K_BLOCK_BYTES else name)
 
 
-def _part_linear(p: QuantPart, x: torch.Tensor, in_features: int) -> torch.Tensor:
+def part_linear(p: QuantPart, x: torch.Tensor, in_features: int, kernel: str | None = None) -> torch.Tensor:
+    """x [n, in] @ the part's rows.T -> [n, rows], through `kernel` (default: quant_select's choice for n)."""
     if p.packed and x.dtype in (torch.bfloat16, torch.float32):
-        return _fn(load_cpu_quant(), p.qtype, "linear")(x, p.data, p.qtype, p.rows)
+        mod = load_cpu_quant()
+        kernel = kernel or kernel_for(p.qtype, in_features, x.dtype, x.shape[0])
+        if kernel == "gemm" and x.shape[0] > 0:
+            return mod.gemm(x, p.data, p.qtype, p.rows)
+        if kernel == "dequant" and x.dtype == torch.bfloat16 and x.shape[0] > 0:
+            return _dequant_linear(mod, p, x, in_features)
+        return _fn(mod, p.qtype, "linear")(x, p.data, p.qtype, p.rows)
     w = _part_rows(p, None, in_features)                       # [rows, in] fp32
     return (x.float() @ w.T).to(x.dtype)
+
+
+def _dequant_linear(mod, p: QuantPart, x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x @ W.T with W dequantized to bf16 a tile of rows (about TILE_BYTES) at a time, each tile
+    multiplied by F.linear (oneDNN); no bf16 copy of the whole weight is kept."""
+    out = torch.empty(x.shape[0], p.rows, dtype=x.dtype)
+    groups = -(-p.rows // 16)
+    step = max(1, TILE_BYTES // (2 * 16 * in_features))
+    for g0 in range(0, groups, step):
+        g1 = min(groups, g0 + step)
+        tile = mod.dequantize_bf16(p.data, p.qtype, p.rows, in_features, g0, g1)
+        out[:, 16 * g0: 16 * g0 + tile.shape[0]] = F.linear(x, tile)
+    return out
 
 
 def _part_rows(p: QuantPart, ids: torch.Tensor | None, in_features: int) -> torch.Tensor:

@@ -108,6 +108,12 @@ def attach_quantized(model: nn.Module, items: list[tuple[str, GGUFQuantized]], t
             if embed is not None:
                 module.packed_weight = embed.quant_weight
     assert offset == sum(sizes)
+    if ordered:
+        from ..layers.quant_select import choose_quant_kernels
+
+        weights = {id(m.packed_weight): m.packed_weight for m in model.modules()
+                   if getattr(m, "packed_weight", None) is not None and hasattr(m.packed_weight, "parts")}
+        choose_quant_kernels(list(weights.values()), next(model.parameters()).dtype)
     if shards:
         kinds = sorted({p.qtype for got in shards.values() for p in got.values()})
         logger.info("Kept %d GGUF weights quantized (ggml types %s, %.0f MiB)", len(shards), kinds,

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from radixlm.kernels.cpu_quant import cpu_supports_quant, load_cpu_quant
-from radixlm.runtime.layers.quant_linear import QUANT_TYPES, dequantize, quant_weight
+from radixlm.runtime.layers.quant_linear import BLOCK_BYTES, dequantize, quant_weight
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
 mod = load_cpu_quant() if cpu_supports_quant() else None
 needs_kernel = pytest.mark.skipif(mod is None, reason="needs a CPU with AVX512-VNNI and a C++ compiler")
-TYPES = sorted(QUANT_TYPES)
+TYPES = sorted(BLOCK_BYTES)   # the k-quants (no gguf quantizer) are in test_kquant.py
 
 
 def quantized(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
