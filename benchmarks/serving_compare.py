@@ -12,8 +12,9 @@ and stops it at the end; it must serve at `--compare-base-url`.
 
 Prefix caches: before each run the first server's cache is flushed (`/flush_cache` for radixlm
 backends), and for an OpenAI peer `POST /reset_prefix_cache` is tried (vLLM serves it when started
-with `VLLM_SERVER_DEV_MODE=1`), then llama.cpp's per-slot erase (`POST /slots/{id}?action=erase`;
-start llama-server with `--cache-ram 0` too, or its host-memory prompt cache survives). Whether
+with `VLLM_SERVER_DEV_MODE=1`), then llama.cpp's per-slot erase (`POST /slots/{id}?action=erase`,
+which llama-server refuses with a 501 unless started with `--slot-save-path DIR`; start it with
+`--cache-ram 0` too, or its host-memory prompt cache survives). Whether
 the peer's flush worked is in the JSON (`peer_cache_reset`); without it, later runs (same prompts,
 same seed) hit the peer's cache: an earlier llama.cpp comparison did, and its TTFT was not cold.
 """
