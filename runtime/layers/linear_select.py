@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,13 +119,59 @@ def cache_file() -> Path:
     return Path(env.LINEAR_SELECT_CACHE.get() or kernel_cache_root() / "linear_select.json")
 
 
-def machine_key() -> str:
-    """CPU model + flags hash, torch version, threads, oneDNN cap and gemm sources: what the times depend on."""
+def environment_key() -> str:
+    """What kernel timings depend on besides the kernels' own code: CPU model + flags hash, torch
+    version, threads, oneDNN cap (quant_select.py keys its times with it too)."""
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    src = Path(cpu_gemm.__file__).parent
-    gemm = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(src.glob("gemm.*")))).hexdigest()[:12]
     return (f"{cpu_model_name()}|flags={flags}|torch={torch.__version__}|threads={torch.get_num_threads()}"
-            f"|onednn_isa={env.ONEDNN_MAX_CPU_ISA.get() or 'default'}|gemm={gemm}")
+            f"|onednn_isa={env.ONEDNN_MAX_CPU_ISA.get() or 'default'}")
+
+
+def sources_hash(folder: Path, pattern: str) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(folder.glob(pattern)))).hexdigest()[:12]
+
+
+def machine_key() -> str:
+    """environment_key() and the gemm sources: what the times depend on."""
+    return f"{environment_key()}|gemm={sources_hash(Path(cpu_gemm.__file__).parent, 'gemm.*')}"
+
+
+@dataclass
+class PassTimes:
+    """One candidate's timed passes (µs per call): the best clean pass, the best of any pass, and
+    the best CPU time per thread; `clean` counts passes this process had the CPU for."""
+    clean_us: float = math.inf
+    any_us: float = math.inf
+    cpu_us: float = math.inf
+    clean: int = 0
+
+
+def time_passes(calls: dict[str, Callable[[], None]], per_call: int, passes: int, max_passes: int,
+                deadline: float) -> dict[str, PassTimes]:
+    """Times each of `calls` (one run makes `per_call` kernel calls) in rounds: pass 0 warms up (page
+    faults, oneDNN primitive cache); a pass is clean when this process's CPU time covered
+    BUSY_SHARE of its threads' wall time (else a neighbour took the CPU). Stops once every candidate
+    has `passes` clean passes, after `max_passes`, or after one timed pass past `deadline`."""
+    threads = torch.get_num_threads()
+    out = {k: PassTimes() for k in calls}
+    for i in range(max_passes + 1):
+        for k, call in calls.items():
+            t = out[k]
+            if t.clean >= passes:
+                continue
+            c0, t0 = time.process_time(), time.perf_counter()
+            call()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if i:
+                us = wall / per_call * 1e6
+                t.any_us = min(t.any_us, us)
+                t.cpu_us = min(t.cpu_us, cpu / threads / per_call * 1e6)
+                if cpu >= BUSY_SHARE * wall * threads:
+                    t.clean += 1
+                    t.clean_us = min(t.clean_us, us)
+        if min(t.clean for t in out.values()) >= passes or (i and time.perf_counter() > deadline):
+            break
+    return out
 
 
 def load_cache(path: Path) -> dict[str, Any]:
@@ -223,7 +270,6 @@ def measure(shape: Shape, weight: torch.Tensor, bias: torch.Tensor | None,
     weight = weight.detach().contiguous()
     copies = _copies_for(weight)
     calls = {k: _make_calls(k, weight, bias, copies) for k in kernels_}
-    threads = torch.get_num_threads()
     out: dict[str, dict[str, float]] = {}
     quiet = True
     with torch.inference_mode():
@@ -232,27 +278,10 @@ def measure(shape: Shape, weight: torch.Tensor, bias: torch.Tensor | None,
                 return out, False
             x = (torch.randn(rows, shape.in_features) * 0.1).to(shape.dtype)
             use = copies if rows < 16 else min(copies, 2)     # from 16 rows on the matmul is compute-bound
-            best = {k: math.inf for k in kernels_}
-            any_pass = {k: math.inf for k in kernels_}
-            clean = {k: 0 for k in kernels_}
-            for i in range(MAX_PASSES + 1):      # pass 0 warms up (page faults, oneDNN primitive cache)
-                for k in kernels_:
-                    if clean[k] >= PASSES:
-                        continue
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    for call in calls[k][:use]:
-                        call(x)
-                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                    if i:
-                        us = wall / use * 1e6
-                        any_pass[k] = min(any_pass[k], us)
-                        if cpu >= BUSY_SHARE * wall * threads:
-                            clean[k] += 1
-                            best[k] = min(best[k], us)
-                if min(clean.values()) >= PASSES or (i and time.perf_counter() > deadline):
-                    break
-            quiet = quiet and min(clean.values()) > 0
-            out[str(rows)] = {k: round(best[k] if clean[k] else any_pass[k], 2) for k in kernels_}
+            runs = {k: (lambda cs=calls[k][:use], x=x: [c(x) for c in cs]) for k in kernels_}
+            t = time_passes(runs, use, PASSES, MAX_PASSES, deadline)
+            quiet = quiet and min(p.clean for p in t.values()) > 0
+            out[str(rows)] = {k: round(p.clean_us if p.clean else p.any_us, 2) for k, p in t.items()}
     return out, quiet
 
 

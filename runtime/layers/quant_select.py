@@ -28,16 +28,13 @@ so later starts on the same kind of machine time nothing. A forced kernel (`vnni
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from ...kernels import cpu_quant
-from ...kernels.cpu_build import cpu_flags, cpu_model_name
 from .. import env
 
 logger = logging.getLogger(__name__)
@@ -47,7 +44,6 @@ ROWS = (16, 64, 256, 1024)
 TIE = 0.03
 PASSES = 2
 MAX_PASSES = 6
-BUSY_SHARE = 0.8
 MEASURE_BUDGET_S = 15.0
 TIME_OUT_ROWS = 4096                           # enough that the weight is not L2-resident, as in a real layer
 TILE_BYTES = 2 << 20                           # bf16 bytes of one dequantized weight tile
@@ -70,11 +66,9 @@ def kernel_for(qtype: int, in_features: int, dtype: torch.dtype, rows: int) -> s
 
 
 def machine_key() -> str:
-    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    src = Path(cpu_quant.__file__).parent
-    code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(src.glob("*.[ch]*")))).hexdigest()[:12]
-    return (f"quant|{cpu_model_name()}|flags={flags}|torch={torch.__version__}|threads={torch.get_num_threads()}"
-            f"|onednn_isa={env.ONEDNN_MAX_CPU_ISA.get() or 'default'}|cpu_quant={code}")
+    from .linear_select import environment_key, sources_hash  # (linear_select imports quant_linear, us)
+
+    return f"quant|{environment_key()}|cpu_quant={sources_hash(Path(cpu_quant.__file__).parent, '*.[ch]*')}"
 
 
 def candidates(dtype: torch.dtype) -> list[str]:
@@ -86,29 +80,13 @@ def candidates(dtype: torch.dtype) -> list[str]:
 
 def _time(calls: dict, rows: int, in_features: int, dtype: torch.dtype, deadline: float) -> tuple[dict, bool]:
     """({kernel: µs per call}, quiet) at `rows` rows of x."""
+    from .linear_select import time_passes
+
     x = (torch.randn(rows, in_features) * 0.5).to(dtype)
-    threads = torch.get_num_threads()
-    best = {k: math.inf for k in calls}
-    cpu_best = dict(best)
-    clean = {k: 0 for k in calls}
-    for i in range(MAX_PASSES + 1):            # pass 0 warms up
-        for k, call in calls.items():
-            if clean[k] >= PASSES:
-                continue
-            c0, t0 = time.process_time(), time.perf_counter()
-            call(x)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if i:
-                cpu_best[k] = min(cpu_best[k], cpu / threads * 1e6)
-                if cpu >= BUSY_SHARE * wall * threads:
-                    clean[k] += 1
-                    best[k] = min(best[k], wall * 1e6)
-        if min(clean.values()) >= PASSES or (i and time.perf_counter() > deadline):
-            break
-    quiet = min(clean.values()) > 0
-    if not quiet:    # a neighbour took the CPU throughout: the CPU time per thread ranks them better than wall time
-        return {k: round(cpu_best[k], 1) for k in calls}, False
-    return {k: round(best[k], 1) for k in calls}, True
+    t = time_passes({k: (lambda call=call: call(x)) for k, call in calls.items()}, 1, PASSES, MAX_PASSES, deadline)
+    if min(p.clean for p in t.values()) == 0:   # a neighbour took the CPU throughout: the CPU time per
+        return {k: round(p.cpu_us, 1) for k, p in t.items()}, False     # thread ranks them better than wall
+    return {k: round(p.clean_us, 1) for k, p in t.items()}, True
 
 
 def measure(part, in_features: int, dtype: torch.dtype, deadline: float) -> tuple[dict[str, dict[str, float]], bool]:
