@@ -94,12 +94,18 @@ def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeyp
     if onednn:
         packed = runner.model.model.layers[0].mlp.down_proj.packed_weight
         assert packed is not None and not isinstance(packed, packed_linear.GemmWeight)
+    assert_decoder_matches_python_forward(runner)
+
+
+def assert_decoder_matches_python_forward(runner, steps: int = 3) -> None:
+    """`steps` greedy decode steps of three prefilled requests: the one-call decoder gives the Python
+    forward's hidden states bit for bit and writes the same K/V (zeroed before each decoder call)."""
     decoder = runner.decode_forward
     assert isinstance(decoder, CpuDecoder)
     python_forward = CompiledDecode(runner.model, False)
     kv, reqs, ids = _prefilled_batch(runner, [5, 17, 33])
     with torch.inference_mode():
-        for _ in range(3):
+        for _ in range(steps):
             seqs = [r.kv_committed_len for r in reqs]
             loc = kv.alloc_extend(reqs, [1] * len(reqs))
             for r in reqs:
@@ -108,14 +114,13 @@ def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeyp
                                            [s + 1 for s in seqs], loc, kv.req_to_token_pool)
             runner.attn_backend.init_forward_metadata(fb)
             want = python_forward(fb)
-            want_kv = [(k[loc].clone(), v[loc].clone()) for k, v in zip(runner.kv_cache.k_buffer,
-                                                                        runner.kv_cache.v_buffer)]
-            for k, v in zip(runner.kv_cache.k_buffer, runner.kv_cache.v_buffer):
-                k[loc] = 0
-                v[loc] = 0
+            cache = list(zip(runner.kv_cache.k_buffer, runner.kv_cache.v_buffer))
+            want_kv = [(k[loc].clone(), v[loc].clone()) for k, v in cache]
+            for k, v in cache:                          # the decoder must write them again
+                k[loc], v[loc] = 0, 0
             got = decoder(fb)
             assert got.dtype == want.dtype and torch.equal(got, want)
-            for layer, (k, v) in enumerate(zip(runner.kv_cache.k_buffer, runner.kv_cache.v_buffer)):
+            for layer, (k, v) in enumerate(cache):
                 assert torch.equal(k[loc], want_kv[layer][0]), f"K of layer {layer}"
                 assert torch.equal(v[loc], want_kv[layer][1]), f"V of layer {layer}"
             ids = runner.model.compute_logits(got).argmax(-1).tolist()

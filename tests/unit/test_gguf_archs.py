@@ -318,10 +318,7 @@ def test_one_call_decoder_on_quantized_qwen_files(arch, tiny_models, tmp_path, m
     quantized: the same hidden states and K/V writes as the Python forward, bit for bit, over 3 decode steps of a
     ragged batch (as tests/unit/test_cpu_decoder.py checks the Llama files)."""
     from radixlm.kernels.cpu_decoder import load_cpu_decoder
-    from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
-    from radixlm.runtime.model_executor.cpu_decoder import CpuDecoder
-    from radixlm.runtime.model_executor.forward_batch import ForwardMode
-    from tests.unit.test_cpu_decoder import _prefilled_batch, _runner
+    from tests.unit.test_cpu_decoder import _runner, assert_decoder_matches_python_forward
 
     decoder_ext = load_cpu_decoder()
     if decoder_ext is None or not decoder_ext.with_quant:
@@ -330,27 +327,7 @@ def test_one_call_decoder_on_quantized_qwen_files(arch, tiny_models, tmp_path, m
     path = write_gguf(tiny_models[arch], arch, tmp_path / "gguf" / f"{arch}.gguf", Q8_0)
     runner = _runner(str(path), "bfloat16")
     assert runner.model.model.layers[0].self_attn.qkv_proj.packed_weight.parts[0].packed
-    decoder, python_forward = runner.decode_forward, CompiledDecode(runner.model, False)
-    assert isinstance(decoder, CpuDecoder)
-    kv, reqs, ids = _prefilled_batch(runner, [5, 17, 33])
-    with torch.inference_mode():
-        for _ in range(3):
-            seqs = [r.kv_committed_len for r in reqs]
-            loc = kv.alloc_extend(reqs, [1] * len(reqs))
-            for r in reqs:
-                r.kv_committed_len += 1
-            fb = runner.make_forward_batch(ForwardMode.DECODE, ids, [r.req_pool_idx for r in reqs], seqs,
-                                           [s + 1 for s in seqs], loc, kv.req_to_token_pool)
-            runner.attn_backend.init_forward_metadata(fb)
-            want = python_forward(fb)
-            cache = list(zip(runner.kv_cache.k_buffer, runner.kv_cache.v_buffer))
-            want_kv = [(k[loc].clone(), v[loc].clone()) for k, v in cache]
-            for k, v in cache:                          # the decoder must write them again
-                k[loc], v[loc] = 0, 0
-            got = decoder(fb)
-            assert torch.equal(got, want)
-            assert all(torch.equal(k[loc], wk) and torch.equal(v[loc], wv) for (k, v), (wk, wv) in zip(cache, want_kv))
-            ids = runner.model.compute_logits(got).argmax(-1).tolist()
+    assert_decoder_matches_python_forward(runner)
 
 
 @pytest.mark.parametrize("layers,scalar", [(62, 5376 // 32), (48, 128)])
