@@ -82,6 +82,24 @@ class ReqState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def output(self, index: int | None, speculative: bool) -> dict[str, Any]:
+        """The SGLang-shaped result so far: text, output_ids, meta_info (and `index` in a batch)."""
+        meta: dict[str, Any] = {
+            "id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+            "e2e_latency": time.perf_counter() - self.created, "jump_forward_tokens": self.jump_forward_tokens,
+            "forward_passes": self.forward_passes}
+        if speculative:                  # SGLang's names; accept length = tokens per verify pass
+            meta["spec_verify_ct"] = self.spec_verify_ct
+            meta["spec_accept_length"] = ((self.spec_accepted_tokens + self.spec_verify_ct) / self.spec_verify_ct
+                                          if self.spec_verify_ct else 0.0)
+        if self.return_logprob:
+            meta.update({k: list(v) for k, v in self.logprobs.items()})
+        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        if index is not None:
+            out["index"] = index
+        return out
+
 
 def _entries(pairs: list | None, nested: bool = False) -> int:
     if not pairs:

@@ -52,7 +52,7 @@ Built = tuple[list[TokenizedGenerateReq], bool, bool]
 
 class RequestBuilder:
     def __init__(self, server_args: ServerArgs, tokenizer: Any, vocab_size: int, context_len: int,
-                 max_total_tokens: int | None):
+                 max_total_tokens: int | None, sessions: SessionStore | None = None):
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -61,7 +61,7 @@ class RequestBuilder:
         self.sampling_defaults = (model_sampling_defaults(server_args.model_path)
                                   if server_args.sampling_defaults == "model" else {})
         self._pool: ThreadPoolExecutor | None = None
-        self.sessions: SessionStore | None = None    # set by the TokenizerManager
+        self.sessions = sessions         # the TokenizerManager's; None: session_params is refused
 
     async def build(self, obj: GenerateReqInput) -> Built:
         """(wire requests with n > 1 expanded, is a single request, return_text_in_logprobs), built on

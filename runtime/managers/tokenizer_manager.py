@@ -70,10 +70,10 @@ class TokenizerManager:
         self.context_len: int = int(scheduler_info["context_len"])
         self.vocab_size: int = int(scheduler_info.get("vocab_size") or len(self.tokenizer))
         self.max_total_tokens: int | None = scheduler_info.get("max_total_tokens")
-        self.builder = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
-                                      self.max_total_tokens)
+        self.speculative = bool(server_args.speculative_algorithm)
         self.sessions = SessionStore(getattr(self.tokenizer, "bos_token_id", None), self._send_all)
-        self.builder.sessions = self.sessions
+        self.builder = RequestBuilder(server_args, self.tokenizer, self.vocab_size, self.context_len,
+                                      self.max_total_tokens, self.sessions)
         self.ctx = zmq.asyncio.Context()
         self.puller = AsyncPuller(self.ctx, port_args.tokenizer_input)
         self.senders = [AsyncPusher(self.ctx, port_args.scheduler_input_for(r))
@@ -150,7 +150,7 @@ class TokenizerManager:
                     yield chunk
             else:
                 await self._wait_finished(states)
-                outs = [self._make_output(st, None) for st in states]
+                outs = [st.output(None, self.speculative) for st in states]
                 yield outs[0] if is_single else outs
         finally:
             if watcher is not None:
@@ -201,7 +201,7 @@ class TokenizerManager:
                 st.unsent_bytes = 0
                 if st.finished:
                     pending.discard(i)
-                yield self._make_output(st, None if is_single else i)
+                yield st.output(None if is_single else i, self.speculative)
 
     def _release(self, states: list[ReqState]) -> None:
         """Forgets the states of a finished call; aborts any sub-request still running (the caller
@@ -248,24 +248,6 @@ class TokenizerManager:
     def _send_all(self, msg: Any) -> None:
         for sender in self.senders:
             sender.send_nowait(msg)
-
-    # --------------------------------------------------------------- output
-    def _make_output(self, st: ReqState, index: int | None) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
-            "completion_tokens": st.completion_tokens, "cached_tokens": st.cached_tokens,
-            "e2e_latency": time.perf_counter() - st.created, "jump_forward_tokens": st.jump_forward_tokens,
-            "forward_passes": st.forward_passes}
-        if self.server_args.speculative_algorithm:     # SGLang's names; accept length = tokens per verify
-            meta["spec_verify_ct"] = st.spec_verify_ct
-            meta["spec_accept_length"] = (st.spec_accepted_tokens + st.spec_verify_ct) / st.spec_verify_ct \
-                if st.spec_verify_ct else 0.0
-        if st.return_logprob:
-            meta.update({k: list(v) for k, v in st.logprobs.items()})
-        out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
-        if index is not None:
-            out["index"] = index
-        return out
 
     # -------------------------------------------------------------- receive
     async def _recv_loop(self) -> None:
