@@ -3,7 +3,8 @@
     Engine(model_path=..., **server_args)
       launch_subprocesses   scheduler(s) + detokenizer, readiness handshake, watchdog
       EngineCore            a private asyncio loop in a daemon thread, running the TokenizerManager
-      generate / async_generate / flush_cache / get_server_info / abort_request / shutdown
+      generate / async_generate / open_session / close_session / flush_cache / get_server_info /
+      abort_request / shutdown
 
 Sync methods block the calling thread on a future of the private loop; async methods await it
 from the caller's own loop. When a child process dies, every pending call raises RuntimeError and
@@ -45,6 +46,11 @@ def _request(call_args: dict[str, Any]) -> GenerateReqInput:
     every parameter is a GenerateReqInput field of the same name, except `prompt` (`text`)."""
     fields = {k: v for k, v in call_args.items() if k != "self"}
     return GenerateReqInput(text=fields.pop("prompt"), **fields)
+
+
+async def _in_loop(fn: Any, *args: Any) -> Any:
+    """Runs a plain TokenizerManager method on the engine's loop (its state is owned there)."""
+    return fn(*args)
 
 
 async def _only_item(agen: Any) -> Any:
@@ -215,9 +221,12 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] | None = None,
                  top_logprobs_num: int | list[int] | None = None, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | list[str] | None = None) -> Any:
+                 stream: bool = False, rid: str | list[str] | None = None,
+                 session_params: dict | None = None) -> Any:
         """Single prompt -> dict; batch (a list), or n > 1 -> list of dicts. With `stream=True`
-        returns an iterator of cumulative chunks (a batch's chunks carry "index")."""
+        returns an iterator of cumulative chunks (a batch's chunks carry "index").
+        `session_params` ({id, rid, offset, replace, drop_previous_output}) continues a session
+        opened with `open_session`, as on the server's /generate."""
         agen = self.tokenizer_manager.generate(_request(locals()))
         if stream:
             return self._core.iterate(agen)
@@ -230,7 +239,7 @@ class Engine:
                              logprob_start_len: int | list[int] | None = None,
                              top_logprobs_num: int | list[int] | None = None,
                              return_text_in_logprobs: bool = False, stream: bool = False,
-                             rid: str | list[str] | None = None) -> Any:
+                             rid: str | list[str] | None = None, session_params: dict | None = None) -> Any:
         """Like `generate`, awaited from any event loop; with `stream=True` it returns an async
         iterator (`async for chunk in await engine.async_generate(..., stream=True)`)."""
         agen = self.tokenizer_manager.generate(_request(locals()))
@@ -243,6 +252,14 @@ class Engine:
         """Aborts a request (or an n > 1 group) by rid; "" aborts everything."""
         if not self._core.closed:
             self._core.loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid)
+
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        """Opens a session (the server's /open_session) and returns its id; ValueError if refused."""
+        return self._core.call(_in_loop(self.tokenizer_manager.open_session, capacity_of_str_len, session_id))
+
+    def close_session(self, session_id: str) -> None:
+        """Closes a session: its KV falls back to ordinary LRU (ValueError for an unknown id)."""
+        self._core.call(_in_loop(self.tokenizer_manager.close_session, session_id))
 
     def flush_cache(self) -> FlushCacheOut:
         """Empties the prefix cache; refused (success False) while requests run."""

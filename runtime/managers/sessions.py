@@ -45,6 +45,7 @@ class Session:
     session_id: str
     capacity: int
     reqs: dict[str, SessionReq] = field(default_factory=dict)
+    dp_rank: int | None = None      # dp_size > 1: the replica that holds its KV (its first turn's)
 
     def drop_subtree(self, rid: str) -> list[str]:
         """Removes `rid` and its descendants; returns their rids."""

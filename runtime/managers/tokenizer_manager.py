@@ -239,10 +239,20 @@ class TokenizerManager:
             self.senders[rank_of_group[key]].send_nowait(req)
 
     def _pick_dp_rank(self, req: TokenizedGenerateReq) -> int:
+        """The replica of a request: a session's turns all go where its first went (its KV is
+        locked there), others as the router (or round robin) says."""
+        session = self.sessions.sessions.get(req.session_id) if req.session_id else None
+        if session is not None and session.dp_rank is not None:
+            if self.router is not None:
+                self.router.assign(session.dp_rank, req.input_ids)
+            return session.dp_rank
         if self.router is not None:
-            return self.router.pick(req.input_ids)
-        rank = self._next_dp % len(self.senders)
-        self._next_dp += 1
+            rank = self.router.pick(req.input_ids)
+        else:
+            rank = self._next_dp % len(self.senders)
+            self._next_dp += 1
+        if session is not None:
+            session.dp_rank = rank
         return rank
 
     def _send_all(self, msg: Any) -> None:

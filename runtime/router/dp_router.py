@@ -40,11 +40,16 @@ class DPRouter:
             rank = self._least_loaded()
         else:
             rank = self._best_match(input_ids)
+        self.assign(rank, input_ids)
+        return rank
+
+    def assign(self, rank: int, input_ids: list[int]) -> None:
+        """Records a request sent to `rank` without choosing (a session's later turns stay where
+        its first went)."""
         if self.method == "cache_aware":
             self.trees[rank].insert(input_ids)
         self.in_flight[rank] += 1
         self.routed[rank] += 1
-        return rank
 
     def finish(self, rank: int) -> None:
         self.in_flight[rank] = max(self.in_flight[rank] - 1, 0)

@@ -1,6 +1,6 @@
 """Scale-out through the real processes: TP=2 over gloo equals TP=1 and HF, also split over two
 "nodes" (two servers on loopback); DP=2 with the cache-aware router beats round-robin on prefix
-hits; a dead TP rank takes the engine down; an idle TP=2 engine costs (almost) no CPU."""
+hits, and a session's turns stay on the replica holding its KV; a dead TP rank takes the engine down; an idle TP=2 engine costs (almost) no CPU."""
 
 from __future__ import annotations
 
@@ -66,6 +66,24 @@ def test_tp_size_must_divide_heads(llama_path):
         radixlm.Engine(model_path=llama_path, tp_size=3, dtype="float32", max_total_tokens=4000)
 
 
+def _session_turns_stay_on_their_replica(eng: radixlm.Engine) -> None:
+    """Each turn continues the previous one; its KV is locked on the replica that ran it, so the
+    next turn must go there (round robin would alternate) to be a prefix hit."""
+    sid = eng.open_session(8192)
+    parent, full = None, random_prompts(1, 1900, seed=40)[0]
+    for turn in range(4):
+        own = full if parent is None else [7, 8, 9, 10]
+        out = eng.generate(input_ids=own, rid=f"{sid}-{turn}", session_params={"id": sid, "rid": parent},
+                           sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+        if parent is not None:
+            assert out["meta_info"]["cached_tokens"] >= len(full) - 1, (turn, out["meta_info"])
+            full = full + own
+        full, parent = full + out["output_ids"], f"{sid}-{turn}"
+    eng.close_session(sid)
+    with pytest.raises(ValueError, match="Unknown session"):
+        eng.close_session(sid)
+
+
 def _prefix_hit_rate(path: str, method: str) -> float:
     prompts = random_prompts(64, 1900, seed=32, shared=160, groups=8, lo=8, hi=16)
     order = list(prompts)
@@ -75,6 +93,8 @@ def _prefix_hit_rate(path: str, method: str) -> float:
         for start in range(0, 64, 8):      # waves of 8 concurrent requests
             eng.generate(input_ids=order[start:start + 8], sampling_params={"max_new_tokens": 2})
         states = eng.get_server_info()["internal_states"][0]["dp_states"]
+        if method == "round_robin":
+            _session_turns_stay_on_their_replica(eng)
     assert len(states) == 2 and all(s["prefix_cache_queries"] > 0 for s in states)   # both replicas used
     hits = sum(s["prefix_cache_hits"] for s in states)
     queries = sum(s["prefix_cache_queries"] for s in states)
