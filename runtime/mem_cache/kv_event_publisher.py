@@ -60,6 +60,7 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, dp_rank: int = 0):
         self.dp_rank = dp_rank
         self.topic = config.topic.encode()
+        self.event_format = config.event_format
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
@@ -108,7 +109,7 @@ class ZmqEventPublisher:
                     batch = self._queue.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
-                payload = encode_batch(batch)
+                payload = encode_batch(batch, self.event_format)
                 seq = self._next_seq.to_bytes(8, "big")
                 self._pub.send_multipart([self.topic, seq, payload])
                 self._buffer.append((self._next_seq, payload))

@@ -15,9 +15,13 @@ Block hash (the subscriber can recompute it from the token ids alone): the first
     sha256(parent_hash as 8-byte big-endian signed, absent at the root ++ token ids as little-endian int64)
 read as a big-endian signed 64-bit integer (vLLM's `ExternalBlockHash` may be an int).
 
-Encoding (what vLLM's `msgspec` structs give): a batch is the msgpack array `[ts, events,
-data_parallel_rank]` (the replica, 0 with one); an event is an array whose first item is its class name, then its
-fields in the order above. `encode_batch` / `decode_batch` are the two ends.
+Encoding: a batch is the msgpack array `[ts, events, data_parallel_rank]` (the replica, 0 with one).
+An event is, by `event_format`:
+    "map" (default)    a map {"type": class name, field: value, ...}, BlockStored also carrying
+                       `lora_name` (null): what current vLLM (0.26 on) and SGLang (0.5.23) publish
+    "array"            an array: its class name, then its fields in the order above (the form both
+                       used before; for consumers that only read that)
+`encode_batch` / `decode_batch` are the two ends (`decode_batch` reads either).
 
 The cache appends to a `KVEventRecorder`; the scheduler takes the events once per step and hands
 them to the publisher (kv_event_publisher.py) as one batch.
@@ -67,16 +71,65 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# The "map" form: the same events as tagged maps, with the field vLLM added since (lora_name).
+class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag_field="type", tag=True):
+    pass
+
+
+class _BlockStoredMap(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None             # required in vLLM's struct: always sent (null)
+
+
+class _BlockRemovedMap(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _AllBlocksClearedMap(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(EventBatch):
+    events: list[_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap]
+
+
+_TO_MAP = {BlockStored: _BlockStoredMap, BlockRemoved: _BlockRemovedMap, AllBlocksCleared: _AllBlocksClearedMap}
+_FROM_MAP = {v: k for k, v in _TO_MAP.items()}
+EVENT_FORMATS = ("array", "map")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
+def _to_map(event: Any) -> Any:
+    extra = {"lora_name": None} if isinstance(event, BlockStored) else {}
+    return _TO_MAP[type(event)](**msgspec.structs.asdict(event), **extra)
+
+
+def encode_batch(batch: KVEventBatch, event_format: str = "map") -> bytes:
+    if event_format == "map":
+        batch = _MapBatch(batch.ts, [_to_map(e) for e in batch.events], batch.data_parallel_rank)
     return _encoder.encode(batch)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    return _decoder.decode(payload)
+    """Either format (a map-form `lora_name` is dropped: it is always null here)."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.ValidationError:
+        batch = _map_decoder.decode(payload)
+    events = []
+    for e in batch.events:
+        fields_ = msgspec.structs.asdict(e)
+        fields_.pop("lora_name", None)
+        events.append(_FROM_MAP[type(e)](**fields_))
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
 def block_hash(parent: int | None, token_ids: list[int]) -> int:
@@ -140,6 +193,7 @@ class KVEventsConfig:
     hwm: int = 100_000                    # PUB send high-water mark
     max_queue_size: int = 100_000         # batches waiting for the publisher thread (more are dropped)
     enable_kv_cache_events: bool = True   # vLLM's switch; false turns the publisher off
+    event_format: str = "map"             # radixlm's: "map" (vLLM >= 0.26, SGLang 0.5.23) or "array" (older)
 
     @staticmethod
     def from_json(text: str) -> KVEventsConfig:
@@ -171,6 +225,8 @@ class KVEventsConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"--kv-events-config: {name} must be a string")
+        if self.event_format not in EVENT_FORMATS:
+            raise ValueError(f"--kv-events-config: event_format must be one of {list(EVENT_FORMATS)}")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError("--kv-events-config: enable_kv_cache_events must be true or false")
 

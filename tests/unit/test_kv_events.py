@@ -10,6 +10,7 @@ import time
 import msgspec
 import pytest
 import torch
+from helpers import missing_dependency
 
 from radixlm.runtime.mem_cache.kv_event_publisher import ZmqEventPublisher, offset_endpoint
 from radixlm.runtime.mem_cache.kv_events import (
@@ -19,6 +20,7 @@ from radixlm.runtime.mem_cache.kv_events import (
     KVEventRecorder,
     KVEventsConfig,
     block_hash,
+    decode_batch,
     encode_batch,
     make_batch,
 )
@@ -27,14 +29,46 @@ from radixlm.runtime.server_args import ServerArgs
 from radixlm.testing.kv_events import BlockIndex, KVEventSubscriber
 
 
-def test_wire_layout_is_vllms_tagged_arrays() -> None:
+def test_array_format_is_the_older_tagged_arrays() -> None:
     batch = make_batch([BlockStored([7, 8], None, [1, 2, 3, 4], 2, None, "CPU"), BlockRemoved([7], "CPU"),
                         AllBlocksCleared()], None)
-    raw = msgspec.msgpack.decode(encode_batch(batch))                 # untyped: what any msgpack reader sees
+    raw = msgspec.msgpack.decode(encode_batch(batch, "array"))               # untyped: what any msgpack reader sees
     assert isinstance(raw[0], float) and len(raw) == 3 and raw[2] is None   # [ts, events, data_parallel_rank]
     assert raw[1] == [["BlockStored", [7, 8], None, [1, 2, 3, 4], 2, None, "CPU"],
                       ["BlockRemoved", [7], "CPU"], ["AllBlocksCleared"]]
-    assert msgspec.msgpack.decode(encode_batch(make_batch([], 1)))[2] == 1
+    assert msgspec.msgpack.decode(encode_batch(make_batch([], 1), "array"))[2] == 1
+
+
+def test_map_format_is_vllms_and_sglangs_current_tagged_maps() -> None:
+    """The default: events as maps with a "type" key and vLLM's required `lora_name`; decode_batch
+    reads both forms back to the same events."""
+    events = [BlockStored([7, 8], 5, [1, 2, 3, 4], 2, None, "CPU"), BlockRemoved([7], "CPU"), AllBlocksCleared()]
+    assert KVEventsConfig().event_format == "map"
+    payload = encode_batch(make_batch(events, 0))
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1] == [{"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 5,
+                       "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "CPU",
+                       "lora_name": None},
+                      {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}, {"type": "AllBlocksCleared"}]
+    assert raw[2] == 0
+    assert decode_batch(payload).events == events == decode_batch(encode_batch(make_batch(events, 0), "array")).events
+    with pytest.raises(ValueError, match="event_format"):
+        KVEventsConfig.from_json('{"event_format": "json"}')
+
+
+def test_sglangs_own_structs_decode_the_default_format() -> None:
+    """SGLang's KV-event classes (what its consumers decode with) read what we publish."""
+    try:
+        from sglang.srt.disaggregation.kv_events import KVEventBatch as SGLangBatch
+    except ImportError as e:
+        missing_dependency(f"sglang not importable (pip install --no-deps -r tests/sglang_client.txt): {e}")
+    events = [BlockStored([7, 8], 5, [1, 2, 3, 4], 2, None, "CPU"), BlockRemoved([7], "CPU"), AllBlocksCleared()]
+    theirs = msgspec.msgpack.Decoder(SGLangBatch).decode(encode_batch(make_batch(events, 1)))
+    stored, removed, cleared = theirs.events
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size) == ([7, 8], 5, [1, 2, 3, 4], 2)
+    assert removed.block_hashes == [7] and type(cleared).__name__ == "AllBlocksCleared"
+    with pytest.raises(msgspec.ValidationError):          # the older array form is not what it reads
+        msgspec.msgpack.Decoder(SGLangBatch).decode(encode_batch(make_batch(events, 1), "array"))
 
 
 def test_block_hash_is_the_documented_one() -> None:
