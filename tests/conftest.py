@@ -29,6 +29,27 @@ TINY_MODEL_NAMES = ("llama", "qwen2", "qwen3")
 
 
 # ----------------------------------------------------------------- markers and options
+# Servers the tests start log to $TMPDIR/<prefix>-<port>-*.log (radixlm.testing.server); a passing
+# session removes the logs it made, a failing one keeps them for reading.
+_LOG_GLOBS = ("radixlm-server-*.log", "radixlm-runtime-*.log", "sglang-router-*.log")
+_LOGS_BEFORE: set[Path] = set()
+
+
+def _server_logs() -> set[Path]:
+    tmp = Path(tempfile.gettempdir())
+    return {p for pattern in _LOG_GLOBS for p in tmp.glob(pattern)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _LOGS_BEFORE.update(_server_logs())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == 0:
+        for path in _server_logs() - _LOGS_BEFORE:
+            path.unlink(missing_ok=True)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
