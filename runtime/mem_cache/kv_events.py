@@ -71,32 +71,24 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-# The "map" form: the same events as tagged maps, with the field vLLM added since (lora_name).
+# The "map" form: the same events as maps tagged under "type", plus the field vLLM added since
+# (`lora_name`, required in its struct, so always sent: null).
 class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag_field="type", tag=True):
     pass
 
 
-class _BlockStoredMap(_MapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None             # required in vLLM's struct: always sent (null)
+def _map_form(cls: type, extra: tuple = ()) -> type:
+    fields_ = [(f.name, f.type) for f in msgspec.structs.fields(cls)] + list(extra)
+    return msgspec.defstruct(f"{cls.__name__}Map", fields_, bases=(_MapEvent,), tag=cls.__name__)
 
 
-class _BlockRemovedMap(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class _AllBlocksClearedMap(_MapEvent, tag="AllBlocksCleared"):
-    pass
+_BlockStoredMap = _map_form(BlockStored, (("lora_name", str | None),))
+_BlockRemovedMap = _map_form(BlockRemoved)
+_AllBlocksClearedMap = _map_form(AllBlocksCleared)
 
 
 class _MapBatch(EventBatch):
-    events: list[_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap]
+    events: list[_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap]  # type: ignore[valid-type]
 
 
 _TO_MAP = {BlockStored: _BlockStoredMap, BlockRemoved: _BlockRemovedMap, AllBlocksCleared: _AllBlocksClearedMap}
