@@ -2,7 +2,8 @@
 
 Both servers get the same client, the same prompts (made once, with the first server's tokenizer)
 and the same load, back to back: for each concurrency and each repeat, the first server runs, then
-the second. Each run records how busy the machine was while it ran, since both servers (and
+the second. First, both complete the same few prompts greedily and the JSON records whether
+they agree (`greedy_agreement`). Each run records how busy the machine was while it ran, since both servers (and
 anything else) share the cores. The table has one row per (concurrency, repeat) with both systems'
 output tok/s, TPOT p50 and TTFT p50 and the ratios, each written so that > 1 means the first server
 is better: output tok/s first/second, TPOT and TTFT second/first.
@@ -35,6 +36,8 @@ import common
 import httpx
 
 PEER_READY_TIMEOUT = 900.0
+AGREE_PROMPTS = 4       # prompts both servers complete greedily before the timed runs
+AGREE_TOKENS = 24
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -141,13 +144,39 @@ async def bench_compare(bs: Any, args: argparse.Namespace, base_url: str) -> dic
         for t in targets:
             for _ in range(args.warmup_requests):
                 await t.client.send([{"role": "user", "content": maker.text(8)}], 4, raw=True)
+        agreement = await greedy_agreement(targets, [model_a, model_b], [maker.text(48) for _ in range(AGREE_PROMPTS)])
         runs = []
         for concurrency in args.max_concurrency or [None]:
             for repeat in range(args.repeats):
                 for t in targets:
                     runs.append(await _one_run(bs, t, tokenizer, concurrency, repeat))
     return {"base_url": base_url, "compare_base_url": p_args.base_url, "names": [args.name, args.compare_name],
-            "models": [model_a, model_b], "tokenizer": getattr(tokenizer, "name_or_path", None), "runs": runs}
+            "models": [model_a, model_b], "tokenizer": getattr(tokenizer, "name_or_path", None),
+            "greedy_agreement": agreement, "runs": runs}
+
+
+async def greedy_agreement(targets: list[Target], models: list[str], prompts: list[str]) -> list[dict[str, Any]]:
+    """Both servers' greedy completions (AGREE_TOKENS tokens, OpenAI /v1/completions) of the same
+    prompts: speed bought with wrong output shows here. Recorded and printed, not asserted (two
+    correct implementations can still part at a near-tie, more so in bf16 or quantized)."""
+    out = []
+    for prompt in prompts:
+        texts = []
+        for t, model in zip(targets, models):
+            try:
+                resp = await t.http.post("/v1/completions", headers=t.args.headers, json={
+                    "model": model, "prompt": prompt, "max_tokens": AGREE_TOKENS, "temperature": 0})
+                texts.append(resp.json()["choices"][0]["text"] if resp.status_code == 200 else None)
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                texts.append(None)
+        a, b = texts
+        common_chars = len(os.path.commonprefix([a, b])) if a is not None and b is not None else None
+        out.append({"same": a is not None and a == b, "common_prefix_chars": common_chars,
+                    "chars": [None if x is None else len(x) for x in texts], "texts": texts})
+    same = sum(r["same"] for r in out)
+    print(f"greedy agreement ({AGREE_TOKENS} tokens): {same}/{len(out)} prompts identical; common prefix "
+          f"chars {[r['common_prefix_chars'] for r in out]} of {[r['chars'] for r in out]}")
+    return out
 
 
 def _without_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
@@ -214,6 +243,11 @@ def compare_table(results: dict[str, Any]) -> str:
             for r in rows]
     note = (f"\n\nRatios: > 1 means {a} is better (throughput {a}/{b}; TPOT and TTFT {b}/{a}). "
             f"Busy cores: share of all cores in use during each run (both servers and anything else).")
+    agree = results.get("greedy_agreement")
+    if agree:
+        note += (f"\n\nGreedy agreement before the runs ({AGREE_TOKENS} tokens, temperature 0): "
+                 f"{sum(r['same'] for r in agree)}/{len(agree)} prompts gave the same text on both; common "
+                 f"prefix {[r['common_prefix_chars'] for r in agree]} of {[r['chars'] for r in agree]} characters.")
     errors = sorted({e for r in results["runs"] for e in r["errors"]})
     if errors:
         note += "\n\nErrors: " + "; ".join(errors[:5])
