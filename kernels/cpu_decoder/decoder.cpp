@@ -14,6 +14,8 @@
 //     q | k | v = qkv_proj(h)                        views into one [bs, (H + 2 KVH) D] output
 //     q, k = rms_norm per head (Qwen3 only)          new tensors
 //     rotary(q, k) in place; k_cache[loc] = k; v_cache[loc] = v
+//                                                    (the first 2 * cos_cache.size(1) lanes of each head:
+//                                                    partial rotary when that is below head_dim)
 //     h = o_proj(paged_decode(q, k_cache, v_cache))
 //     h, residual = add_rms_norm(h, residual)
 //     h = down_proj(silu_and_mul(gate_up_proj(h)))

@@ -9,7 +9,8 @@ fp32, bf16 or fp16; activations [n, d] or [n, m, d] with a contiguous last dim, 
     silu_and_mul(out, x)                             x = [gate | up]: out = silu(gate) * up
     rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim)
                                                      in place, neox style: x = x*cos + rotate_half(x)*sin,
-                                                     cos/sin = cache[positions] (fp32 [max_pos, head_dim/2]) cast to T
+                                                     cos/sin = cache[positions] (fp32 [max_pos, rotary_dim/2]) cast to T;
+                                                     the first rotary_dim lanes of each head rotate (partial rotary)
 
 Rounding follows the eager torch code (and HF transformers) exactly: the residual sum is rounded to T
 once; RMSNorm rounds after normalizing and after the weight multiply; silu(gate) is rounded before

@@ -345,6 +345,8 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 }
 
 // ---------------------------------------------------------------- rotary (neox: halves)
+// The rotated width rot_dim is 2 * the cos/sin table's columns (rot_dim < head_dim: partial rotary,
+// the first rot_dim lanes of each head rotate as two halves, the rest are left as they are).
 // With c, s = round(cos), round(sin) at the token's position, per head x = [x1 | x2]:
 //   x1' = round(round(x1*c) - round(x2*s)),  x2' = round(round(x2*c) + round(x1*s))
 template <typename T>
@@ -365,9 +367,9 @@ inline void rotate_heads(T* x, int64_t heads, int64_t head_stride, int64_t half,
 
 template <typename P>
 void rotary_impl(const P* pos, at::Tensor q, at::Tensor k, const float* cos, const float* sin, int64_t head_dim,
-                 int64_t max_pos) {
+                 int64_t rot_dim, int64_t max_pos) {
   Rows qr(q), kr(k);
-  const int64_t half = head_dim / 2;
+  const int64_t half = rot_dim / 2;   // lanes [0, rot_dim) of each head rotate; the rest pass through
   const int64_t n = qr.n, qh = qr.m * qr.d / head_dim, kh = kr.m * kr.d / head_dim;
   for (int64_t t = 0; t < n; ++t)   // checked here: an exception must not leave a parallel region
     TORCH_CHECK(pos[t] >= 0 && static_cast<int64_t>(pos[t]) < max_pos, "rotary_embedding: position ", pos[t],
@@ -393,8 +395,9 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_embedding: q and k must share a dtype");
   TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
               cos_cache.is_contiguous() && sin_cache.is_contiguous() && cos_cache.sizes() == sin_cache.sizes() &&
-              cos_cache.dim() == 2 && cos_cache.size(1) * 2 == head_dim,
-              "rotary_embedding: cos/sin caches must be contiguous fp32 [max_position, head_dim/2]");
+              cos_cache.dim() == 2 && cos_cache.size(1) > 0 && cos_cache.size(1) * 2 <= head_dim,
+              "rotary_embedding: cos/sin caches must be contiguous fp32 [max_position, rotary_dim/2], "
+              "rotary_dim <= head_dim");
   TORCH_CHECK(positions.dim() == 1 && positions.is_contiguous() && positions.size(0) == q.size(0) &&
               k.size(0) == q.size(0), "rotary_embedding: positions [n] must match q and k");
   Rows qr(q), kr(k);
@@ -403,12 +406,12 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
               "rotary_embedding: q and k must be [n, heads*head_dim] or [n, heads, head_dim]");
   const float* c = cos_cache.data_ptr<float>();
   const float* s = sin_cache.data_ptr<float>();
-  const int64_t max_pos = cos_cache.size(0);
+  const int64_t max_pos = cos_cache.size(0), rot_dim = cos_cache.size(1) * 2;
   if (positions.scalar_type() == at::kLong) {
-    rotary_impl(positions.data_ptr<int64_t>(), q, k, c, s, head_dim, max_pos);
+    rotary_impl(positions.data_ptr<int64_t>(), q, k, c, s, head_dim, rot_dim, max_pos);
   } else {
     TORCH_CHECK(positions.scalar_type() == at::kInt, "rotary_embedding: positions must be int64 or int32");
-    rotary_impl(positions.data_ptr<int32_t>(), q, k, c, s, head_dim, max_pos);
+    rotary_impl(positions.data_ptr<int32_t>(), q, k, c, s, head_dim, rot_dim, max_pos);
   }
 }
 

@@ -60,6 +60,8 @@ READ_FIELDS: dict[str, str] = {
     "shared_expert_intermediate_size": "ModelConfig.moe.shared_intermediate_size",
     "decoder_sparse_step": "ModelConfig.moe.sparse_layers",
     "mlp_only_layers": "ModelConfig.moe.sparse_layers",
+    "original_max_position_embeddings": "ModelConfig.rope_scaling (LongRoPE: factor choice and attention factor; "
+                                        "no effect with other rope types, as in transformers)",
 }
 
 INERT_FIELDS: dict[str, str] = {
@@ -85,8 +87,10 @@ INERT_FIELDS: dict[str, str] = {
     "router_jitter_noise": "HF applies the jitter only in training",
     "resid_pdrop": "dropout is off at inference",
     "embd_pdrop": "dropout is off at inference",
-    "original_max_position_embeddings": "read by LongRoPE only, which is refused (rope_type check)",
 }
+
+# architectures whose transformers code rotates only the first partial_rotary_factor of each head
+PARTIAL_ROTARY_ARCHS = ("Phi3ForCausalLM",)
 
 # fields of no registered config class that change the computation wherever transformers honors them
 _REFUSED_IF_SET: dict[str, str] = {
@@ -108,9 +112,10 @@ def unsupported_reason(arch: str, hf: dict) -> str | None:
         if hf.get(key):
             return f"config.json sets {key!r}: {why}"
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        return f"partial_rotary_factor {partial} (rope on part of each head) is not implemented"
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0 and arch not in PARTIAL_ROTARY_ARCHS:
+        return (f"partial_rotary_factor {partial} (rope on part of each head): transformers applies it for "
+                f"{', '.join(PARTIAL_ROTARY_ARCHS)} only; not implemented for {arch}")
     unknown = sorted(set(hf.get("layer_types") or ()) - {"full_attention", "sliding_attention"})
     if unknown:
         return f"Unsupported layer_types {unknown}; only full_attention and sliding_attention are supported"

@@ -167,7 +167,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size ** 0.5 if options.embed_scale else None
-        rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling,
+                                     config.rotary_dim)
         # Gemma 3: the sliding-window layers have their own (plain) rope base
         local = (RotaryEmbedding(config.head_dim, config.context_len, config.local_rope_theta)
                  if config.local_rope_theta is not None else rotary_emb)

@@ -67,6 +67,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
     final_logit_softcapping: float | None = None  # logits = tanh(logits / cap) * cap
     attn_logit_softcapping: float | None = None   # Gemma 2: attention scores s = tanh(s / cap) * cap
+    rotary_dim: int | None = None             # rope on the first rotary_dim lanes of each head (None: all)
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
@@ -101,6 +102,7 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         max_pos = int(hf.get("max_position_embeddings") or 2048)
         theta, scaling = _rope_settings(hf)
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
         return ModelConfig(
             path=folder,
             architecture=arch,
@@ -108,7 +110,7 @@ class ModelConfig:
             intermediate_size=int(hf["intermediate_size"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            head_dim=head_dim,
             num_layers=int(hf["num_hidden_layers"]),
             vocab_size=int(hf["vocab_size"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -132,6 +134,7 @@ class ModelConfig:
                                      else None),
             attn_logit_softcapping=(float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping")
                                     else None),
+            rotary_dim=_rotary_dim(hf, head_dim),
         )
 
     def sliding_window_size(self, layer_id: int) -> int:
@@ -212,12 +215,46 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
         params = dict(params["full_attention"])
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "su":                # Phi-3's first name for LongRoPE (transformers renames it too)
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
+    if rope_type == "longrope":
+        _longrope_settings(hf, params)
     return theta, params
+
+
+def _longrope_settings(hf: dict, params: dict) -> None:
+    """Completes LongRoPE's parameters as transformers does: original_max_position_embeddings from
+    the top-level field when there is one (Phi-3 keeps it there), else the rope dict's, else
+    max_position_embeddings; `factor` defaults to max_position_embeddings / original (it sets the
+    attention factor). Missing factor lists are refused."""
+    missing = [k for k in ("short_factor", "long_factor") if not isinstance(params.get(k), list)]
+    if missing:
+        raise ModelLoadError(f"rope_type 'longrope' needs {' and '.join(missing)} (lists of numbers)")
+    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    original = int(hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or max_pos)
+    params["original_max_position_embeddings"] = original
+    if params.get("factor") is None:
+        params["factor"] = max_pos / original
+
+
+def _rotary_dim(hf: dict, head_dim: int) -> int | None:
+    """int(head_dim * partial_rotary_factor) (rope_parameters' value, else the top-level one, as
+    transformers 5 reads it); None when the whole head rotates."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial == 1.0:
+        return None
+    dim = int(head_dim * partial)
+    if not (0 < dim <= head_dim and dim % 2 == 0):
+        raise ModelLoadError(f"partial_rotary_factor {partial} gives rotary_dim {dim} of head_dim {head_dim}; "
+                             "it must be even and positive")
+    return dim
 
 
 def _local_rope_theta(hf: dict) -> float | None:

@@ -2,8 +2,11 @@
 
 The fused checkpoint tensors are split on load into the q/k/v and gate/up shards the parallel
 layers take (rows [q | k | v] and [gate | up]), so TP slicing works as for Llama. Phi-3's
-`sliding_window` (every layer, as transformers applies it) comes from ModelConfig; LongRoPE
-(`rope_type` "longrope") and a `partial_rotary_factor` below 1 are refused at load.
+`sliding_window` (every layer, as transformers applies it) comes from ModelConfig. LongRoPE
+(`rope_type` "longrope"/"su": short or long factors chosen once per server from --context-length,
+see layers/rotary.py `longrope_parameters`) and `partial_rotary_factor` < 1 (Phi-4-mini: rope on
+the first rotary_dim lanes of each head) are ModelConfig.rope_scaling / rotary_dim, applied by the
+shared RotaryEmbedding (the fused CPU op and the one-call decoder take the partial width too).
 """
 
 from __future__ import annotations

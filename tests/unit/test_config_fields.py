@@ -55,6 +55,11 @@ def _window_context(arch: str, field: str) -> dict:
     """A config in which `field` decides whether a layer slides (Qwen's switches only matter
     together: a window, the switch on, and max_window_layers below the layer count)."""
     hf = base_config(arch)
+    if field == "original_max_position_embeddings":    # read with LongRoPE only (as in transformers)
+        dims = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
+        hf["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * dims,
+                                 "long_factor": [2.0] * dims}
+        return hf
     if arch == "Gemma3ForCausalLM" and field in ("sliding_window", "layer_types", "_sliding_window_pattern"):
         hf["sliding_window"] = None if field == "sliding_window" else 48
         if field != "layer_types":
@@ -137,7 +142,8 @@ def test_every_read_field_changes_the_loaded_config(arch: str, tmp_path: Path) -
     ({"is_encoder_decoder": True}, "Encoder-decoder"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "short_factor and long_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
 ])
 def test_unimplemented_values_are_refused(tmp_path: Path, hf_patch: dict, message: str) -> None:
     hf = {**base_config("LlamaForCausalLM"), **hf_patch}

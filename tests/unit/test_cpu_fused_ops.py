@@ -108,20 +108,28 @@ def test_silu_and_mul_matches_torch(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (3, 1, 80), (2, 2, 16)])
-def test_rotary_matches_torch(heads, kv_heads, head_dim, dtype):
-    rope = RotaryEmbedding(head_dim, 4096, 100000.0)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(9, 3, 64, None), (4, 2, 128, None), (3, 1, 80, None),
+                                                                (2, 2, 16, None), (4, 2, 128, 96), (3, 1, 80, 20)])
+def test_rotary_matches_torch(heads, kv_heads, head_dim, rotary_dim, dtype):
+    """Full and partial rotary (rotary_dim < head_dim: Phi-4-mini's 96 of 128; the lanes past
+    rotary_dim unchanged), fused op vs the torch code, bit for bit."""
+    rope = RotaryEmbedding(head_dim, 4096, 100000.0, rotary_dim=rotary_dim)
     n = 11
     g = torch.Generator().manual_seed(head_dim + heads)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim: (heads + kv_heads) * head_dim]
     v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    qkv_before = qkv.clone()
     positions = torch.randint(0, 4096, (n,), generator=g)
     want_q, want_k = rope.forward_native(positions, q.clone(), k.clone())
     got_q, got_k = rope(positions, q, k)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()   # in place
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)       # v untouched
+    if rotary_dim is not None:                  # the lanes past rotary_dim pass through, the others turn
+        q0 = qkv_before[:, : heads * head_dim].view(n, heads, head_dim)
+        assert torch.equal(got_q.view(n, heads, head_dim)[..., rotary_dim:], q0[..., rotary_dim:])
+        assert not torch.equal(got_q.view(n, heads, head_dim)[..., :rotary_dim], q0[..., :rotary_dim])
 
 
 def test_rotary_int32_positions_and_out_of_range():
