@@ -11,7 +11,10 @@ llama.cpp's converter changes, this changes too:
     gemma3                every RMSNorm weight stored as w + 1
     qwen2moe / qwen3moe   (and Mixtral, written as llama) experts stacked as 3-D ffn_{gate,up,down}_exps [experts, out, in];
                           the shared-expert gate stored 1-D
-    phi3                  the fused qkv_proj / gate_up_proj kept fused (attn_qkv, ffn_up)
+    phi3                  the fused qkv_proj / gate_up_proj kept fused (attn_qkv, ffn_up); the rope
+                          dimension (partial_rotary_factor) and original context always stated;
+                          LongRoPE as the rope_factors_long / rope_factors_short tensors plus the
+                          attention factor the converter computes
 
 2-D weights (and experts) are written in `qtype` (F32, F16 or a quantized type), 1-D tensors in F32,
 as llama.cpp does. Quantizing uses gguf.quants (numpy), so keep the models tiny.
@@ -78,6 +81,15 @@ def add_metadata(writer, arch: str, config) -> None:
         writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size)
+                                        // c.num_attention_heads)
+        original = rope.get("original_max_position_embeddings", c.original_max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":
+            scale = c.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original))
+                                                 if scale > 1.0 else 1.0)
     if getattr(c, "num_local_experts", None):           # Mixtral, written as llama
         writer.add_expert_count(c.num_local_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
@@ -161,6 +173,10 @@ def write_gguf(model, arch: str, path: Path, qtype: int) -> Path:
     tensors = gguf_tensors(model, arch)
     if model.config.rope_parameters.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_factors(model.config)
+    if model.config.rope_parameters.get("rope_type") == "longrope":
+        for which in ("long", "short"):
+            tensors[f"rope_factors_{which}.weight"] = np.array(model.config.rope_parameters[f"{which}_factor"],
+                                                              dtype=np.float32)
     for name, w in tensors.items():
         if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))

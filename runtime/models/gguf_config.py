@@ -13,7 +13,10 @@ registered radixlm architecture:
     qwen3                  Qwen3ForCausalLM          q/k norms; head_dim from attention.key_length
     qwen2moe               Qwen2MoeForCausalLM       experts, gated shared expert; top-k weights not renormalized
     qwen3moe               Qwen3MoeForCausalLM       experts; top-k weights renormalized (llama.cpp's rule)
-    phi3                   Phi3ForCausalLM           fused qkv / gate_up tensors; sliding window if stated
+    phi3                   Phi3ForCausalLM           fused qkv / gate_up tensors; sliding window if stated;
+                                                     LongRoPE from rope_factors_long / rope_factors_short
+                                                     (+ rope.scaling.original_context_length, attn_factor);
+                                                     rope.dimension_count < head_dim: partial rotary
     gemma3                 Gemma3ForCausalLM         what the file does not state is llama.cpp's fixed rule:
                                                      every 6th layer global, the others sliding with rope
                                                      base 10000 (rope.freq_base_swa where stated);
@@ -22,9 +25,9 @@ registered radixlm architecture:
 
 Every `<arch>.*` key is either read (`_READ`), known not to change the forward pass (`_INERT`), or
 refused with ModelLoadError naming it (a rope scaling type other than linear, an attention head
-size for values different from keys, a partial rotary dimension, a sliding-window layer pattern
-array, ...), as config_fields.py refuses config.json fields. So are tensors radixlm would have to
-skip that change the computation (Phi-3's LongRoPE factors). Dense-vs-sparse layers, q/k/v biases,
+size for values different from keys, a partial rotary dimension outside phi3 files, a sliding-window
+layer pattern array, ...), as config_fields.py refuses config.json fields. So are tensors radixlm
+would have to skip that change the computation (LongRoPE factors outside phi3 files). Dense-vs-sparse layers, q/k/v biases,
 tied embeddings and the expert sizes come from which tensors the file holds when it says nothing.
 Besides the file's eos id, the control tokens that end a turn (<|im_end|>, <end_of_turn>, ...) stop
 generation, as in llama.cpp and the models' HF generation configs (not for llama files).
@@ -74,10 +77,10 @@ _INERT = {
     "attention.causal": "checked to be true (or absent) below",
     "expert_gating_func": "checked to be softmax (or absent) below",
 }
-_REFUSED_TENSORS = {
-    "rope_factors_long": "LongRoPE (Phi-3 128k) rope scaling is not implemented",
-    "rope_factors_short": "LongRoPE (Phi-3 128k) rope scaling is not implemented",
-}
+# tensors that are rope parameters, not weights (the loader skips them)
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_LONGROPE_ARCHS = ("phi3",)        # llama.cpp writes rope_factors_{long,short} for Phi-3 (LongRoPE)
+_PARTIAL_ROTARY_ARCHS = ("phi3",)  # and a rope.dimension_count below head_dim (Phi-4-mini)
 _SOFTMAX_GATING = 1          # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 _CONTROL_TOKEN = 3           # gguf.TokenType.CONTROL
 _END_OF_TURN_TEXTS = frozenset({"<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>"})
@@ -102,8 +105,9 @@ def gguf_hf_config(reader) -> dict:
                              "split files is not implemented: merge them first (llama-gguf-split --merge)")
     tensors = {t.name: [int(d) for d in t.shape] for t in reader.tensors}   # dims innermost first
     for name in tensors:
-        if name.split(".")[0] in _REFUSED_TENSORS:
-            raise ModelLoadError(f"GGUF tensor {name}: {_REFUSED_TENSORS[name.split('.')[0]]}")
+        if name.startswith("rope_factors_") and arch not in _LONGROPE_ARCHS:
+            raise ModelLoadError(f"GGUF tensor {name}: LongRoPE rope factors are implemented for "
+                                 f"{', '.join(_LONGROPE_ARCHS)} files only, not {arch}")
     keys = {name.removeprefix(arch + "."): value for name, value in fields.items() if name.startswith(arch + ".")}
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
     hf: dict = {"architectures": [hf_arch], "model_type": model_type, "hidden_act": "silu"}
@@ -113,7 +117,7 @@ def gguf_hf_config(reader) -> dict:
     hf["head_dim"] = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
     hf["tie_word_embeddings"] = "output.weight" not in tensors
     hf["attention_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
-    hf["rope_parameters"] = _rope(arch, keys, hf["head_dim"])
+    hf["rope_parameters"] = _rope(arch, keys, hf["head_dim"], reader)
     factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if factors is not None:
         if arch != "llama" or hf["rope_parameters"]["rope_type"] != "default":
@@ -160,13 +164,19 @@ def _end_of_turn_ids(reader) -> list[int]:
             if kind == _CONTROL_TOKEN and text in _END_OF_TURN_TEXTS]
 
 
-def _rope(arch: str, keys: dict, head_dim: int) -> dict:
-    """rope_parameters: the base, and linear scaling when the file states it; other scalings refused."""
+def _rope(arch: str, keys: dict, head_dim: int, reader) -> dict:
+    """rope_parameters: the base, linear scaling when the file states it, Phi-3's LongRoPE factors
+    and partial rotary dimension; other scalings refused."""
     dims = keys.get("rope.dimension_count")
-    if dims is not None and int(dims) != head_dim:
-        raise ModelLoadError(f"GGUF {arch}.rope.dimension_count={dims} (rope on part of each head of {head_dim}) "
-                             "is not implemented")
     rope = {"rope_type": "default", "rope_theta": float(keys.get("rope.freq_base", 10000.0))}
+    if dims is not None and int(dims) != head_dim:
+        if arch not in _PARTIAL_ROTARY_ARCHS or not 0 < int(dims) < head_dim:
+            raise ModelLoadError(f"GGUF {arch}.rope.dimension_count={dims} (rope on part of each head of "
+                                 f"{head_dim}) is not implemented for {arch} files")
+        rope["partial_rotary_factor"] = int(dims) / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS[1:]}
+    if factors:
+        return _longrope(arch, keys, rope, factors)
     kind = str(keys.get("rope.scaling.type", "none"))
     factor = float(keys.get("rope.scaling.factor", 1.0) or 1.0)
     if kind == "linear" and factor != 1.0:
@@ -184,6 +194,29 @@ def _rope(arch: str, keys: dict, head_dim: int) -> dict:
     if local is not None:
         raise ModelLoadError(f"GGUF {arch}.rope.freq_base_swa={local} (a rope base for sliding layers) "
                              f"is not implemented for {arch} files")
+    return rope
+
+
+def _longrope(arch: str, keys: dict, rope: dict, factors: dict) -> dict:
+    """LongRoPE as llama.cpp's converter writes it for Phi-3: the long and short factor tensors, the
+    original context in rope.scaling.original_context_length, the attention factor in
+    rope.scaling.attn_factor (sqrt(1 + ln(s) / ln(original)), computed by the converter). llama.cpp
+    picks the set from the context the way radixlm does (long when it exceeds the original)."""
+    if len(factors) != 2:
+        raise ModelLoadError(f"GGUF {arch} file has {', '.join(factors)} but not both rope_factors_long "
+                             "and rope_factors_short")
+    original = keys.get("rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF {arch} file with LongRoPE factors lacks "
+                             f"{arch}.rope.scaling.original_context_length")
+    kind = str(keys.get("rope.scaling.type", "none"))
+    if kind not in ("none", "longrope", "su"):
+        raise ModelLoadError(f"GGUF {arch}.rope.scaling.type={kind!r} together with LongRoPE factors "
+                             "is not implemented")
+    rope.update(rope_type="longrope", original_max_position_embeddings=int(original),
+                long_factor=_floats(factors["rope_factors_long.weight"]),
+                short_factor=_floats(factors["rope_factors_short.weight"]),
+                attention_factor=float(keys.get("rope.scaling.attn_factor", 1.0)))
     return rope
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .gguf_config import gguf_hf_config
+from .gguf_config import ROPE_TENSORS, gguf_hf_config
 from .model_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -196,8 +196,8 @@ def iterate_gguf_weights(gguf_file: str | Path, num_heads: int, num_kv_heads: in
     (or, with `keep_quantized`, a GGUFQuantized for 2-D weights and experts of the types kept
     quantized), converted back as the module docstring says.
 
-    Tensors without an HF counterpart are logged and skipped (rope_freqs silently: gguf_config.py
-    made it the config's rope).
+    Tensors without an HF counterpart are logged and skipped (rope_freqs and Phi-3's
+    rope_factors_long / rope_factors_short silently: gguf_config.py made them the config's rope).
     """
     from gguf import GGUFReader, dequantize
 
@@ -207,7 +207,7 @@ def iterate_gguf_weights(gguf_file: str | Path, num_heads: int, num_kv_heads: in
     arch = str(reader.fields["general.architecture"].contents())
     for tensor in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", disable=not show_progress):
         name = hf_tensor_name(tensor.name, arch)
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name in ROPE_TENSORS:
             continue
         if name is None:
             logger.warning("Skipping GGUF tensor %s: no Hugging Face counterpart", tensor.name)

@@ -357,3 +357,62 @@ def test_gemma3_attention_scale_follows_llama_cpp(layers, scalar, tmp_path):
     assert hf["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
     assert hf["rope_parameters"]["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
     assert hf["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("qtype", [F32, Q8_0])
+def test_phi3_longrope_and_partial_rotary_file(qtype, tmp_path, monkeypatch):
+    """A Phi-4-mini-shaped phi3 file (LongRoPE factor tensors, rope.dimension_count 12 of head_dim 16,
+    original context 64 of 256). transformers' GGUF loader reads neither the factors nor the rope
+    dimension, so the reference is the tiny HF model itself (fp32, as from safetensors): served with
+    context 64 (short factors) on a 40-token prompt and with 256 (long factors) on an 80-token one,
+    logits within 1e-4 (F32; Q8_0, dequantized, against the HF model with Q8_0-rounded weights) and
+    greedy equal."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_phi3_longrope import phi3_config
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(11)
+    tiny = AutoModelForCausalLM.from_config(phi3_config(0.75), dtype=torch.float32).eval()
+    path = write_gguf(tiny, "phi3", tmp_path / "gguf" / "phi4mini.gguf", qtype)
+    reference = tiny
+    if qtype == Q8_0:        # dequantized weights, fp32 activations: the reference's arithmetic
+        monkeypatch.setattr("radixlm.runtime.layers.quant_linear.load_cpu_quant", lambda: None)
+        reference = copy.deepcopy(tiny)
+        kind = gguf.GGMLQuantizationType(Q8_0)
+        for name, p in reference.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), kind), kind)
+                p.data.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+    for context, length in ((64, 40), (256, 80)):
+        config = ModelConfig.from_path(str(path), dtype="float32", context_length=context)
+        assert config.rotary_dim == 12 and config.rope_scaling["rope_type"] == "longrope"
+        assert config.rope_scaling["original_max_position_embeddings"] == 64
+        ids = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(context)).tolist()
+        ours = _prefill_logits(load_model(config, "cpu", show_progress=False), config, ids, page_size=16)
+        with torch.no_grad():
+            theirs = reference(torch.tensor([ids])).logits[0]
+        assert (ours - theirs).abs().max().item() <= 1e-4
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_longrope_factors_refused_outside_phi3(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "qwen2.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    from tests.tiny_gguf import add_metadata, add_tokenizer, gguf_tensors
+
+    add_metadata(writer, "qwen2", tiny_models["qwen2"].config)
+    add_tokenizer(writer, VOCAB)
+    tensors = gguf_tensors(tiny_models["qwen2"], "qwen2")
+    tensors["rope_factors_long.weight"] = tensors["rope_factors_short.weight"] = torch.ones(8).numpy()
+    for name, w in tensors.items():
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="LongRoPE rope factors"):
+        ModelConfig.from_path(str(path))
