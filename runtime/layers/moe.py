@@ -52,6 +52,8 @@ class ExpertMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
+        # packed in the gemm layout whatever linear_select measured: kernels/cpu_moe needs it
+        self.gate_up_proj.prefer_gemm = self.down_proj.prefer_gemm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
