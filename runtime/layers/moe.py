@@ -11,6 +11,11 @@ got tokens, never over tokens. Each expert is a `LlamaMLP`-shaped pair of parall
 `pack_linear_weights` packs expert weights like the dense ones and TP splits every expert's
 intermediate size; the down projections skip their all-reduce and the summed output is reduced once.
 The per-expert counts are read on the host (a sync on CUDA), so MoE layers refuse CUDA-graph capture.
+
+On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
+the experts run in one call of kernels/cpu_moe (grouping, gate_up, SiLU*mul, down and the weighted
+sum in fp32, experts x output blocks spread over the threads); routing and the shared expert stay
+here. `forward_native` is the torch loop: the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...kernels.cpu_moe import load_cpu_moe
 from ..distributed.parallel_state import get_tp_size, tp_all_reduce
 from .activation import SiluAndMul
 from .linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+from .packed_linear import GemmWeight
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class ExpertMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
+        # packed in the gemm layout whatever linear_select measured: kernels/cpu_moe needs it
+        self.gate_up_proj.prefer_gemm = self.down_proj.prefer_gemm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -81,12 +90,43 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (ExpertMLP(hidden_size, shared_intermediate_size, reduce_results=False)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = _replicated(hidden_size, 1) if shared_intermediate_size else None
+        self._fused: tuple | None = None   # (kernel module, gate_up ptrs, down ptrs, intermediate, weights kept)
+
+    def fused_tables(self) -> tuple | None:
+        """kernels/cpu_moe and its per-expert pointer tables when every expert's gate_up and down are
+        in the gemm layout, else None. Decided once, after packing (pack_linear_weights) has run."""
+        if self._fused is not None:
+            return self._fused or None
+        layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
+        if getattr(layers[0][0], "linear_kernel", None) is None:
+            return None                       # not packed (yet): ask again next call
+        packed = [(gu.packed_weight, down.packed_weight) for gu, down in layers]
+        mod = load_cpu_moe() if all(isinstance(g, GemmWeight) and isinstance(d, GemmWeight)
+                                    for g, d in packed) else None
+        inter = packed[0][0].out_features // 2 if mod is not None else 0
+        if mod is None or any(g.out_features != 2 * inter or d.out_features != self.gate.in_features for g, d in packed):
+            self._fused = ()
+            return None
+        gate_up = torch.tensor([g.data.data_ptr() for g, _ in packed], dtype=torch.int64)
+        down = torch.tensor([d.data.data_ptr() for _, d in packed], dtype=torch.int64)
+        self._fused = (mod, gate_up, down, inter, packed)
+        return self._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, hidden] -> [n, hidden]
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("MoE layers read per-expert token counts on the host and cannot be captured "
                                "in a CUDA graph; serve MoE models with --disable-cuda-graph")
+        fused = self.fused_tables() if x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] > 0 else None
+        if fused is None:
+            return self.forward_native(x)
+        mod, gate_up, down, inter, _ = fused
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = mod.experts_forward(x.contiguous(), ids.contiguous(), weights.contiguous(), gate_up, down, inter)
+        return self._add_shared_and_reduce(x, out)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch loop over experts that got tokens (the module docstring)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()                                       # [n*k], pair p is token p // k
@@ -103,6 +143,9 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[e](x[rows])
             out.index_add_(0, rows, (y.float() * pair_weight[start:start + count, None]).to(x.dtype))
             start += count
+        return self._add_shared_and_reduce(x, out)
+
+    def _add_shared_and_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x).float())
             out += (self.shared_expert(x).float() * gate).to(x.dtype)

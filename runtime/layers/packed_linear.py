@@ -111,6 +111,10 @@ def pack_linear_weights(model: nn.Module) -> int:
     from .linear_select import choose_kernels
 
     kernels = choose_kernels(modules) if modules else {}
+    if env.CPU_LINEAR_KERNEL.get() == "auto" and load_cpu_gemm() is not None:
+        for m in modules:   # MoE experts: kernels/cpu_moe runs them only from the gemm layout
+            if getattr(m, "prefer_gemm", False) and gemm_fits(m.weight, getattr(m, "bias", None)):
+                kernels[id(m)] = "gemm"
     for m in modules:
         m.linear_kernel = kernels[id(m)]       # marks the module as decided (packing twice is a no-op)
     in_gemm = {i for i, k in kernels.items() if k == "gemm"}
