@@ -21,7 +21,7 @@ from ..cpu_build import cpu_flags, load_extension, pick_isa
 _SRC_DIR = Path(__file__).parent
 QUANT_FLAGS = ("-mavx512vnni",)
 KERNEL_TYPES = frozenset({2, 3, 6, 7, 8})   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-KQUANT_TYPES = frozenset({12, 13, 14})      # Q4_K, Q5_K, Q6_K (kquant.h; k_* bindings)
+KQUANT_TYPES = frozenset({12, 13, 14})      # Q4_K, Q5_K, Q6_K (kquant.h; k_* bindings but linear)
 
 
 def cpu_supports_quant(flags: set[str] | None = None) -> bool:
@@ -35,4 +35,4 @@ def load_cpu_quant():
     if not cpu_supports_quant():
         return None
     return load_extension("cpu_quant", "GGUF quantized linear kernel", "avx512", [_SRC_DIR / "quant.cpp"],
-                          [_SRC_DIR / "quant.h", _SRC_DIR / "kquant.h", _SRC_DIR / "qgemm.h"], extra_flags=QUANT_FLAGS)
+                          [_SRC_DIR / n for n in ("xquant.h", "quant.h", "kquant.h", "qgemm.h")], extra_flags=QUANT_FLAGS)

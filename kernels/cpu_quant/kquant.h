@@ -209,37 +209,7 @@ inline at::Tensor dequantize_rows(const at::Tensor& packed, int64_t type, int64_
   return out;
 }
 
-// Activations of one call, quantized per row and block of 32 (see the top of the file).
-struct QuantizedRows {
-  std::vector<int8_t> q;          // [M, K]
-  std::vector<float> dx;          // [M, K / 32]
-  std::vector<int32_t> half;      // [M, K / 16]: sums of xq over each 16
-};
-
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K) {
-  const int64_t kb = K / kQB;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * kb), std::vector<int32_t>(2 * M * kb)};
-  at::parallel_for(0, M * kb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / kb, b = i % kb;
-      const T* xb = x + m * ldx + b * kQB;
-      float v[32], amax = 0.f;
-      for (int j = 0; j < 32; ++j) { v[j] = static_cast<float>(xb[j]); amax = std::max(amax, std::fabs(v[j])); }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sums[2] = {0, 0};
-      for (int j = 0; j < 32; ++j) {
-        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
-        r.q[m * K + b * kQB + j] = static_cast<int8_t>(q);
-        sums[j / 16] += q;
-      }
-      r.dx[i] = amax / 127.f;
-      r.half[2 * i] = sums[0];
-      r.half[2 * i + 1] = sums[1];
-    }
-  });
-  return r;
-}
+using radixlm_xquant::QuantizedRows;
 
 inline __m512 load_u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -371,23 +341,14 @@ void dispatch(int64_t type, const QuantizedRows& xr, const uint8_t* wp, int64_t 
   }
 }
 
-// x [M, K] bf16 or fp32 (contiguous last dim), packed from repack() -> [M, N] in x's dtype.
+// x [M, K] bf16 or fp32 (contiguous last dim), a weight of any supported GGUF type packed by its
+// repack (quant.h's for Q4_0 .. Q8_0, this file's for the k-quants) -> [M, N] in x's dtype.
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "cpu_quant linear: x must be 2-D bf16 or fp32 with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == packed_bytes(type, N, K),
-              "cpu_quant linear: the packed weight does not match x's ", K, " features and ", N, " outputs");
-  at::Tensor out = at::empty({M, N}, x.options());
+  if (!is_kquant(type)) return radixlm_quant::linear(x, packed, type, N);
+  const int64_t M = x.size(0), K = x.dim() == 2 ? x.size(1) : 0;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kBFloat16) {
-    const QuantizedRows xr = quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K);
-    dispatch(type, xr, wp, M, N, K, out.data_ptr<c10::BFloat16>());
-  } else {
-    const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K);
-    dispatch(type, xr, wp, M, N, K, out.data_ptr<float>());
-  }
-  return out;
+  return radixlm_xquant::linear(x, packed, packed_bytes(type, N, K), N,
+                                [&](const QuantizedRows& xr, auto* op) { dispatch(type, xr, wp, M, N, K, op); });
 }
 
 }  // namespace radixlm_kquant

@@ -30,40 +30,21 @@ using radixlm_quant::kNR;
 constexpr int64_t kQB = 32;                       // weights per activation block
 constexpr int64_t kChunkBytes = 384 * 1024;       // int8 bytes of x per chunk (L2-resident)
 
-// x [M, K] quantized: q int8 [M, K]; per row and block of 32: dx, sx = dx * sum(q), and two int32
-// start values zs of the block's integer sums: -zero * sum(q) in zs[0] (zs[1] = 0), or with `halves`
+// x [M, K] quantized (xquant.h: q, dx, sx, half sums) plus two int32 start values zs per row and
+// block of 32 of the block's integer sums: -zero * sum(q) in zs[0] (zs[1] = 0), or with `halves`
 // (Q6_K) -zero * the sum over each half of 16.
-struct QX {
-  std::vector<int8_t> q;
-  std::vector<float> dx, sx;
+struct QX : radixlm_xquant::QuantizedRows {
   std::vector<int32_t> zs;
 };
 
 template <typename T>
 QX quantize(const T* x, int64_t ldx, int64_t M, int64_t K, int32_t zero, bool halves) {
-  const int64_t nb = K / kQB;
-  QX r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-       std::vector<int32_t>(2 * M * nb)};
-
-  at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / nb, b = i % nb;
-      const T* xb = x + m * ldx + b * kQB;
-      float v[32], amax = 0.f;
-      for (int j = 0; j < 32; ++j) { v[j] = static_cast<float>(xb[j]); amax = std::max(amax, std::fabs(v[j])); }
-      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int s[2] = {0, 0};
-      for (int j = 0; j < 32; ++j) {
-        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
-        r.q[m * K + b * kQB + j] = static_cast<int8_t>(q);
-        s[j / 16] += q;
-      }
-      r.dx[i] = dx;
-      r.sx[i] = dx * static_cast<float>(s[0] + s[1]);
-      r.zs[2 * i] = -zero * (halves ? s[0] : s[0] + s[1]);
-      r.zs[2 * i + 1] = halves ? -zero * s[1] : 0;
-    }
-  });
+  QX r{radixlm_xquant::quantize_rows(x, ldx, M, K), std::vector<int32_t>(2 * M * (K / kQB))};
+  for (size_t i = 0; i < r.zs.size(); i += 2) {
+    const int32_t h0 = r.half[i], h1 = r.half[i + 1];
+    r.zs[i] = -zero * (halves ? h0 : h0 + h1);
+    r.zs[i + 1] = halves ? -zero * h1 : 0;
+  }
   return r;
 }
 

@@ -32,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <immintrin.h>
+#include "xquant.h"
 
 #include <algorithm>
 #include <cmath>
@@ -167,38 +168,8 @@ inline at::Tensor dequantize_rows(const at::Tensor& packed, int64_t type, int64_
   return out;
 }
 
-// Activations of one call, quantized per row and block (see the top of the file).
-struct QuantizedRows {
-  std::vector<int8_t> q;          // [M, K]
-  std::vector<float> dx, sx;      // [M, K / 32]
-};
+using radixlm_xquant::QuantizedRows;
 
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
-
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K) {
-  const int64_t kb = K / kQK;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * kb), std::vector<float>(M * kb)};
-  at::parallel_for(0, M * kb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / kb, b = i % kb;
-      const T* xb = x + m * ldx + b * kQK;
-      float v[32], amax = 0.f;
-      for (int j = 0; j < 32; ++j) { v[j] = to_float(xb[j]); amax = std::max(amax, std::fabs(v[j])); }
-      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
-        r.q[m * K + b * kQK + j] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      r.dx[i] = dx;
-      r.sx[i] = dx * static_cast<float>(sum);
-    }
-  });
-  return r;
-}
 
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -302,22 +273,12 @@ void dispatch(int64_t type, const QuantizedRows& xr, const uint8_t* wp, int64_t 
 }
 
 // x [M, K] bf16 or fp32 (contiguous last dim), packed from repack() -> [M, N] in x's dtype.
+// (kquant.h's linear takes every type, the k-quants included.)
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "cpu_quant linear: x must be 2-D bf16 or fp32 with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == packed_bytes(type, N, K),
-              "cpu_quant linear: the packed weight does not match x's ", K, " features and ", N, " outputs");
-  at::Tensor out = at::empty({M, N}, x.options());
+  const int64_t M = x.size(0), K = x.dim() == 2 ? x.size(1) : 0;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kBFloat16) {
-    const QuantizedRows xr = quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K);
-    dispatch(type, xr, wp, M, N, K, out.data_ptr<c10::BFloat16>());
-  } else {
-    const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K);
-    dispatch(type, xr, wp, M, N, K, out.data_ptr<float>());
-  }
-  return out;
+  return radixlm_xquant::linear(x, packed, packed_bytes(type, N, K), N,
+                                [&](const QuantizedRows& xr, auto* op) { dispatch(type, xr, wp, M, N, K, op); });
 }
 
 }  // namespace radixlm_quant

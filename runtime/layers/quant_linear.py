@@ -128,8 +128,9 @@ def quant_weight(shards: list[tuple[torch.Tensor, int, int]], in_features: int,
 
 
 def _fn(mod, qtype: int, name: str):
-    """The extension's `name` binding for `qtype`: the k_* ones (kquant.h) for the k-quants."""
-    return getattr(mod, f"k_{name}" if qtype in K_BLOCK_BYTES else name)
+    """The extension's `name` binding for `qtype`: the k_* ones (kquant.h) for the k-quants, except
+    `linear`, which takes every type."""
+    return getattr(mod, f"k_{name}" if qtype in K_BLOCK_BYTES and name != "linear" else name)
 
 
 def part_linear(p: QuantPart, x: torch.Tensor, in_features: int, kernel: str | None = None) -> torch.Tensor:

@@ -83,7 +83,7 @@ def test_kernel_matches_dequantize_then_matmul(qtype, n, m, dtype):
     raw = random_kquant(qtype, n, k, seed=qtype * 100 + n)
     w = reference(raw, qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    y = load_cpu_quant().k_linear(x, _packed(raw, qtype, n, k), qtype, n)
+    y = load_cpu_quant().linear(x, _packed(raw, qtype, n, k), qtype, n)
     assert y.shape == (m, n) and y.dtype == dtype
     want = int8_rounded(x) @ w.T
     scale = int8_rounded(x).abs() @ w.abs().T
