@@ -134,6 +134,19 @@ def _check_config(config: ModelConfig, arch: str, tiny) -> None:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("qtype,kernel", [(F32, True), (F16, True), (Q8_0, True), (Q8_0, False)])
+
+def q8_rounded_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose matrices are Q8_0-rounded as the file stores them (norms and vectors stay)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    kind = gguf.GGMLQuantizationType(Q8_0)
+    for name, p in out.named_parameters():
+        if p.dim() >= 2 and "norm" not in name:
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), kind), kind)
+            p.data.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+    return out
+
 def test_gguf_logits_match_transformers(arch, qtype, kernel, tiny_models, tmp_path, monkeypatch):
     if qtype == Q8_0 and kernel and not cpu_supports_quant():
         pytest.skip("needs AVX512-VNNI")
@@ -299,14 +312,7 @@ def test_mixtral_from_a_llama_file(qtype, kernel, tmp_path, monkeypatch):
     ours = _prefill_logits(model, config, ids, page_size=16)
     reference = tiny
     if qtype == Q8_0:
-        import copy
-
-        reference = copy.deepcopy(tiny)
-        kind = gguf.GGMLQuantizationType(Q8_0)
-        for name, p in reference.named_parameters():
-            if p.dim() >= 2 and "norm" not in name:
-                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), kind), kind)
-                p.data.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+        reference = q8_rounded_copy(tiny)
     with torch.no_grad():
         theirs = reference(torch.tensor([ids])).logits[0]
     assert (ours - theirs).abs().max().item() <= 1e-4
@@ -367,7 +373,6 @@ def test_phi3_longrope_and_partial_rotary_file(qtype, tmp_path, monkeypatch):
     context 64 (short factors) on a 40-token prompt and with 256 (long factors) on an 80-token one,
     logits within 1e-4 (F32; Q8_0, dequantized, against the HF model with Q8_0-rounded weights) and
     greedy equal."""
-    import copy
 
     from transformers import AutoModelForCausalLM
 
@@ -380,12 +385,7 @@ def test_phi3_longrope_and_partial_rotary_file(qtype, tmp_path, monkeypatch):
     reference = tiny
     if qtype == Q8_0:        # dequantized weights, fp32 activations: the reference's arithmetic
         monkeypatch.setattr("radixlm.runtime.layers.quant_linear.load_cpu_quant", lambda: None)
-        reference = copy.deepcopy(tiny)
-        kind = gguf.GGMLQuantizationType(Q8_0)
-        for name, p in reference.named_parameters():
-            if p.dim() >= 2 and "norm" not in name:
-                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), kind), kind)
-                p.data.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+        reference = q8_rounded_copy(tiny)
     for context, length in ((64, 40), (256, 80)):
         config = ModelConfig.from_path(str(path), dtype="float32", context_length=context)
         assert config.rotary_dim == 12 and config.rope_scaling["rope_type"] == "longrope"
