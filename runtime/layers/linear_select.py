@@ -23,7 +23,8 @@ slowdown), so decode (TPOT) and prefill (TTFT) count alike; ties within TIE go t
 gemm, onednn, torch.
 
 Timing passes during which another process took the CPU are dropped (measure()); shapes that got
-no quiet pass keep their noisy choice for this run but are not cached.
+no quiet pass keep their noisy times for this process (NOISY: a later load in the same process reuses
+them, so two models built in one process multiply alike) but are not written to the file.
 
 The times go into a JSON file (default <kernel cache>/linear_select.json, RADIXLM_LINEAR_SELECT_CACHE),
 keyed by CPU model name + flags hash, torch version, thread count, oneDNN ISA cap, the gemm
@@ -64,6 +65,7 @@ BUSY_SHARE = 0.8
 MEASURE_BUDGET_S = 15.0                       # then the rest is untimed: the first candidate allowed
 MAX_COPIES = 64
 CACHE_VERSION = 1
+NOISY: dict[str, Any] = {}                    # timings with no quiet pass: this process only, never in the file
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,7 @@ def choose_kernels(modules: list[nn.Module]) -> dict[int, str]:
             choice = forced(mode, allowed)
         else:
             key = f"{machine}|{shape.key}"
-            times = cached.get(key, {})
+            times = cached.get(key) or NOISY.get(key, {})
             if not all(r in times and set(allowed) <= set(times[r]) for r in map(str, shape.rows)):
                 if time.perf_counter() > start + MEASURE_BUDGET_S:
                     times, quiet = {}, False
@@ -325,6 +327,7 @@ def choose_kernels(modules: list[nn.Module]) -> dict[int, str]:
                     fresh[key] = times
                 else:
                     sel.busy += 1
+                    NOISY[key] = times
             choice = pick(times, allowed) if times else allowed[0]
             sel.times[shape.key] = times
             logger.info("Linear %s (%d weights): %s; µs per call by rows: %s", shape.key, len(group), choice,

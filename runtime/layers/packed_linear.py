@@ -111,7 +111,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     from .linear_select import choose_kernels
 
     kernels = choose_kernels(modules) if modules else {}
-    if env.CPU_LINEAR_KERNEL.get() == "auto" and load_cpu_gemm() is not None:
+    if modules and env.CPU_LINEAR_KERNEL.get() == "auto" and load_cpu_gemm() is not None:
         for m in modules:   # MoE experts: kernels/cpu_moe runs them only from the gemm layout
             if getattr(m, "prefer_gemm", False) and gemm_fits(m.weight, getattr(m, "bias", None)):
                 kernels[id(m)] = "gemm"

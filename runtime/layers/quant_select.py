@@ -18,7 +18,8 @@ Auto mode (`--cpu-quant-kernel auto`, RADIXLM_CPU_QUANT_KERNEL) times the candid
 in_features, x dtype) at ROWS rows, on the first TIME_OUT_ROWS output rows of the largest weight of
 that kind (the kernels' time per output row does not depend on the count), the best of PASSES clean
 passes (passes during which another process took the CPU are dropped, as linear_select.py does;
-when none is clean, the kinds are ranked by their CPU time per thread instead, and not cached). A
+when none is clean, the kinds are ranked by their CPU time per thread instead, not cached in the file,
+and kept for this process in linear_select.NOISY). A
 call with n rows then uses the winner of the largest bucket <= n; below ROWS[0] rows, vnni. Timing
 stops after MEASURE_BUDGET_S: untimed kinds use DEFAULT. The times are cached in linear_select's JSON
 file, keyed by CPU model + flags, torch version, threads, oneDNN cap and the cpu_quant sources' hash,
@@ -125,7 +126,7 @@ def choose_quant_kernels(weights: list, dtype: torch.dtype) -> dict[tuple[int, i
 
     Side effects: in auto mode, times the kinds not in the cache file and writes them there; logs one
     line per kind. Returns {(qtype, in_features): plan}. Nothing to do when the kernel is off."""
-    from .linear_select import cache_file, load_cache, save_cache
+    from .linear_select import NOISY, cache_file, load_cache, save_cache
 
     if env.CPU_QUANT_KERNEL.get() != "auto" or cpu_quant.load_cpu_quant() is None:
         return {}
@@ -140,13 +141,14 @@ def choose_quant_kernels(weights: list, dtype: torch.dtype) -> dict[tuple[int, i
     fresh, busy, out = {}, 0, {}
     for (qtype, k), part in sorted(kinds.items()):
         key = f"{machine}|type={qtype}|in={k}|{str(dtype).removeprefix('torch.')}|out_rows={TIME_OUT_ROWS}"
-        times = cached.get(key)
+        times = cached.get(key) or NOISY.get(key)
         if not times or any(str(r) not in times for r in ROWS):
             times, quiet = measure(part, k, dtype, start + MEASURE_BUDGET_S)
             if quiet:
                 fresh[key] = times
             else:
                 busy += 1
+                NOISY[key] = times
         if times:
             _plans[qtype, k, dtype] = out[qtype, k] = plan_of(times)
             logger.info("GGUF type %d, in %d: %s; µs per call (first %d output rows) by rows: %s", qtype, k,

@@ -164,8 +164,14 @@ def test_auto_caches_only_quiet_measurements(monkeypatch):
 
     monkeypatch.setattr(ls, "PASSES", 1)
     monkeypatch.setattr(ls, "measure", fake_measure)
+    monkeypatch.setattr(ls, "NOISY", {})
     pack_linear_weights(block)
     assert ls.last_selection().busy == 4 and ls.load_cache(ls.cache_file()) == {}
+    first = dict(ls.last_selection().choices)
+    pack_linear_weights(make_block())            # same process: the noisy times are reused, not retimed,
+    assert ls.last_selection().measured == 0 and ls.last_selection().choices == first   # so both agree
+    assert ls.load_cache(ls.cache_file()) == {}
+    monkeypatch.setattr(ls, "NOISY", {})         # a new process
     quiet["value"] = True
     pack_linear_weights(make_block())
     assert len(ls.load_cache(ls.cache_file())) == 4 and ls.last_selection().measured == 4

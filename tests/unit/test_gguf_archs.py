@@ -132,9 +132,6 @@ def _check_config(config: ModelConfig, arch: str, tiny) -> None:
         assert config.hidden_act == "gelu_pytorch_tanh"
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("qtype,kernel", [(F32, True), (F16, True), (Q8_0, True), (Q8_0, False)])
-
 def q8_rounded_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy whose matrices are Q8_0-rounded as the file stores them (norms and vectors stay)."""
     import copy
@@ -147,6 +144,9 @@ def q8_rounded_copy(model: torch.nn.Module) -> torch.nn.Module:
             p.data.copy_(torch.from_numpy(rounded.reshape(p.shape)))
     return out
 
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("qtype,kernel", [(F32, True), (F16, True), (Q8_0, True), (Q8_0, False)])
 def test_gguf_logits_match_transformers(arch, qtype, kernel, tiny_models, tmp_path, monkeypatch):
     if qtype == Q8_0 and kernel and not cpu_supports_quant():
         pytest.skip("needs AVX512-VNNI")
