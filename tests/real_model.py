@@ -46,18 +46,34 @@ def smollm2_gguf() -> str:
 
 
 @functools.cache
-def hf_reference(dtype: str = "float32") -> tuple:
-    """(HF model in `dtype`, HF tokenizer), both read from the GGUF file by transformers (the model
-    dequantized to a dense one, as our loader does)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_tokenizer():
+    """HF's tokenizer read from the GGUF file by transformers (converting its vocabulary takes seconds)."""
+    from transformers import AutoTokenizer
 
     from radixlm.runtime.models.resolve import hf_pretrained_args
 
     folder, kwargs = hf_pretrained_args(smollm2_gguf())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=kwargs["gguf_file"])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs).eval()
-    return model, tokenizer
+    return AutoTokenizer.from_pretrained(folder, gguf_file=kwargs["gguf_file"])
+
+
+@functools.cache
+def hf_reference(dtype: str = "float32") -> tuple:
+    """(HF model in `dtype`, HF tokenizer), both read from the GGUF file by transformers (the model
+    dequantized to a dense one, as our loader does). transformers dequantizes to fp32 and casts to the
+    asked dtype, so other dtypes are a cast copy of the fp32 model (the same weights, read once)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.models.resolve import hf_pretrained_args
+
+    if dtype != "float32":
+        fp32, tokenizer = hf_reference("float32")
+        return copy.deepcopy(fp32).to(getattr(torch, dtype)).eval(), tokenizer
+    folder, kwargs = hf_pretrained_args(smollm2_gguf())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    return model, hf_tokenizer()
 
 
 def chat_ids(tokenizer, user_text: str) -> list[int]:
@@ -81,6 +97,31 @@ def hf_greedy_chat(max_new_tokens: int, dtype: str = "float32") -> tuple[tuple[i
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
         out.append(tuple(gen[0, len(ids):].tolist()))
     return tuple(out)
+
+
+def hf_greedy_mismatch(prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int) -> str | None:
+    """None when every output is HF fp32's greedy continuation of its prompt, else what differs.
+
+    Teacher-forced: one HF forward over prompt + output per prompt, and each output token must be
+    the argmax of HF's logits at the position before it (so the whole output is what HF's greedy
+    decoding produces, token by token, without running its generate loop). An output shorter than
+    `max_new_tokens` must end with HF's eos token."""
+    import torch
+
+    model, tokenizer = hf_reference()
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if not out:
+            return f"prompt {i}: empty output"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        best = logits.argmax(-1).tolist()
+        j = next((k for k in range(len(out)) if out[k] != best[k]), None)
+        if j is not None:
+            return (f"prompt {i} ({CHAT_PROMPTS[i]!r}) token {j}: ours {out[j]} (HF logit "
+                    f"{logits[j, out[j]].item():.4f}), HF greedy {best[j]} ({logits[j, best[j]].item():.4f})")
+        if len(out) > max_new_tokens or (len(out) < max_new_tokens and out[-1] != tokenizer.eos_token_id):
+            return f"prompt {i}: {len(out)} tokens, last {out[-1]} (max {max_new_tokens}, eos {tokenizer.eos_token_id})"
+    return None
 
 
 def real_text_ids(tokenizer, num_tokens: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 One server (radix cache on, page size 16, chunked prefill of 32 tokens, fp32, weights dequantized
 with --disable-gguf-quant so that they are the ones HF computes with) serves most tests:
-greedy tokens against HF transformers reading the same GGUF, a mixed-length batch, streaming of
+greedy tokens against HF transformers reading the same GGUF (teacher-forced: every output token is
+the argmax of HF's fp32 logits over the prompt plus the tokens before it), a mixed-length batch, streaming of
 multi-byte UTF-8, stop strings, the model's own chat template, prefix hits over a 4-turn chat,
 and the OpenAI route answering "Paris". One offline Engine with the radix cache off repeats the
 greedy comparison. See tests/real_model.py for how the model is obtained.
@@ -16,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.real_model import CHAT_PROMPTS, chat_ids, hf_greedy_chat, hf_reference, smollm2_gguf
+from tests.real_model import CHAT_PROMPTS, chat_ids, hf_greedy_mismatch, hf_reference, smollm2_gguf
 from tests.server_fixtures import ServerProcess, server_fixture
 
 MAX_NEW = 24
@@ -60,11 +61,12 @@ def prompt_ids() -> list[list[int]]:
 def test_mixed_batch_greedy_matches_hf_with_radix_cache(server: ServerProcess) -> None:
     ids = prompt_ids()
     assert len({len(x) for x in ids}) >= 8           # lengths differ: a mixed-length batch
-    expected = [list(t) for t in hf_greedy_chat(MAX_NEW)]
     for attempt in range(2):                          # the second pass hits the prefixes cached by the first
         outs = generate(server, input_ids=ids, sampling_params=GREEDY)
-        for i, out in enumerate(outs):
-            assert out["output_ids"] == expected[i], f"prompt {i} ({CHAT_PROMPTS[i]!r}), pass {attempt}"
+        if attempt == 0:
+            first = [o["output_ids"] for o in outs]
+            assert hf_greedy_mismatch(ids, first, MAX_NEW) is None, hf_greedy_mismatch(ids, first, MAX_NEW)
+        assert [o["output_ids"] for o in outs] == first, f"pass {attempt} differs from pass 0"
         if attempt == 1:
             assert all(o["meta_info"]["cached_tokens"] >= (len(x) - 1) // PAGE * PAGE for o, x in zip(outs, ids))
     assert "Paris" in outs[0]["text"]
@@ -74,11 +76,11 @@ def test_greedy_matches_hf_without_radix_cache() -> None:
     from radixlm import Engine
 
     ids = prompt_ids()
-    expected = [list(t) for t in hf_greedy_chat(MAX_NEW)]
     with Engine(model_path=smollm2_gguf(), dtype="float32", disable_radix_cache=True, disable_gguf_quant=True,
                 context_length=2048, max_total_tokens=4096) as engine:
         outs = engine.generate(input_ids=ids, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in outs] == expected
+    got = [o["output_ids"] for o in outs]
+    assert hf_greedy_mismatch(ids, got, MAX_NEW) is None, hf_greedy_mismatch(ids, got, MAX_NEW)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
 
 

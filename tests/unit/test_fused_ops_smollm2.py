@@ -10,7 +10,7 @@ import pytest
 from helpers import SchedulerHarness
 
 from radixlm.kernels import cpu_ops
-from tests.real_model import CHAT_PROMPTS, chat_ids, smollm2_gguf
+from tests.real_model import CHAT_PROMPTS, chat_ids, hf_tokenizer, smollm2_gguf
 
 MAX_NEW = 24
 
@@ -19,13 +19,7 @@ pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="fused CP
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from radixlm.runtime.models.resolve import hf_pretrained_args
-
-    folder, kwargs = hf_pretrained_args(smollm2_gguf())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=kwargs["gguf_file"])
-    return [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
+    return [chat_ids(hf_tokenizer(), p) for p in CHAT_PROMPTS]
 
 
 def torch_greedy(prompt_ids: list[list[int]], **kwargs) -> list[list[int]]:
