@@ -59,20 +59,16 @@ def hf_tokenizer():
 @functools.cache
 def hf_reference(dtype: str = "float32") -> tuple:
     """(HF model in `dtype`, HF tokenizer), both read from the GGUF file by transformers (the model
-    dequantized to a dense one, as our loader does). transformers dequantizes to fp32 and casts to the
-    asked dtype, so other dtypes are a cast copy of the fp32 model (the same weights, read once)."""
-    import copy
-
+    dequantized to a dense one, as our loader does). Each dtype is loaded by transformers itself: a
+    cast copy of the fp32 model would also cast buffers (the rotary inverse frequencies) that
+    transformers keeps in fp32."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from radixlm.runtime.models.resolve import hf_pretrained_args
 
-    if dtype != "float32":
-        fp32, tokenizer = hf_reference("float32")
-        return copy.deepcopy(fp32).to(getattr(torch, dtype)).eval(), tokenizer
     folder, kwargs = hf_pretrained_args(smollm2_gguf())
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs).eval()
     return model, hf_tokenizer()
 
 
