@@ -105,6 +105,8 @@ def hf_greedy_mismatch(prompts: list[list[int]], outputs: list[list[int]], max_n
     import torch
 
     model, tokenizer = hf_reference()
+    if len(outputs) != len(prompts):
+        return f"{len(outputs)} outputs for {len(prompts)} prompts"
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if not out:
             return f"prompt {i}: empty output"

@@ -65,7 +65,8 @@ def test_mixed_batch_greedy_matches_hf_with_radix_cache(server: ServerProcess) -
         outs = generate(server, input_ids=ids, sampling_params=GREEDY)
         if attempt == 0:
             first = [o["output_ids"] for o in outs]
-            assert hf_greedy_mismatch(ids, first, MAX_NEW) is None, hf_greedy_mismatch(ids, first, MAX_NEW)
+            mismatch = hf_greedy_mismatch(ids, first, MAX_NEW)
+            assert mismatch is None, mismatch
         assert [o["output_ids"] for o in outs] == first, f"pass {attempt} differs from pass 0"
         if attempt == 1:
             assert all(o["meta_info"]["cached_tokens"] >= (len(x) - 1) // PAGE * PAGE for o, x in zip(outs, ids))
@@ -79,8 +80,8 @@ def test_greedy_matches_hf_without_radix_cache() -> None:
     with Engine(model_path=smollm2_gguf(), dtype="float32", disable_radix_cache=True, disable_gguf_quant=True,
                 context_length=2048, max_total_tokens=4096) as engine:
         outs = engine.generate(input_ids=ids, sampling_params=GREEDY)
-    got = [o["output_ids"] for o in outs]
-    assert hf_greedy_mismatch(ids, got, MAX_NEW) is None, hf_greedy_mismatch(ids, got, MAX_NEW)
+    mismatch = hf_greedy_mismatch(ids, [o["output_ids"] for o in outs], MAX_NEW)
+    assert mismatch is None, mismatch
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
 
 
