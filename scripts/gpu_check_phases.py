@@ -4,14 +4,16 @@
     python scripts/gpu_check_phases.py --phase NAME --results DIR   # runs one, appends its line
 
 Each phase appends one line to DIR/results.txt: `NAME PASS|FAIL|SKIP <seconds>s <detail>`.
-Models are built once into DIR/models (tiny random models with head_dim 64, a SmolLM2-shaped
-random Llama); bf16 only, FlashInfer with backend fa2. The SmolLM2 GGUF (about 93 MB) does not
+Models are built once into DIR/models (tiny random models with head_dim 64; random Llamas in
+SmolLM2-135M's and Qwen2-0.5B's shapes for decode speed); bf16 only, FlashInfer with backend fa2.
+The serving and HTTP phases are in gpu_check_serving.py. The SmolLM2 GGUF (about 93 MB) does not
 fit the 64 MiB that travels to the GPU machine, so SmolLM2's own weights are not checked there.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 import traceback
@@ -37,12 +39,24 @@ def _results(checks: list) -> tuple[bool, str]:
 
 
 def phase_flashinfer_jit(_: Path) -> tuple[bool, str]:
+    """Builds both FlashInfer modules every later phase uses, in parallel (one process each):
+    GQA group 4 decodes through the prefill module (tensor cores), group 2 through the decode one."""
     import flashinfer
-    import torch
-    from gpu_check import check_attention
 
-    ok, detail = check_attention("flashinfer", "DECODE", 1, torch.bfloat16, 8, 2, 64)
-    return ok, f"flashinfer {flashinfer.__version__}, decode JIT + run: {detail}"
+    code = ("import sys, torch; from gpu_check import check_attention; "
+            "ok, d = check_attention('flashinfer', 'DECODE', 1, torch.bfloat16, 8, {kv}, 64); "
+            "print(d); sys.exit(0 if ok else 1)")
+    here = Path(__file__).resolve().parent
+    procs = {kv: subprocess.Popen([sys.executable, "-c", code.format(kv=kv)], cwd=here, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for kv in (2, 4)}
+    parts, ok = [], True
+    for kv, proc in procs.items():
+        out = proc.communicate()[0]
+        print(out, flush=True)
+        ok = ok and proc.returncode == 0
+        module = "prefill module (tensor-core decode)" if kv == 2 else "decode module"
+        parts.append(f"H=8/{kv} {module}: {out.strip().splitlines()[-1] if out.strip() else 'no output'}")
+    return ok, f"flashinfer {flashinfer.__version__}, JIT + run: " + "; ".join(parts)
 
 
 def phase_attention(_: Path) -> tuple[bool, str]:
@@ -91,52 +105,64 @@ def phase_cuda_graphs(results_dir: Path) -> tuple[bool, str]:
     return True, ", ".join(notes)
 
 
-def phase_engine(results_dir: Path) -> tuple[bool, str]:
-    import radixlm
+def phase_serving(results_dir: Path) -> tuple[bool, str]:
+    from gpu_check_serving import phase_serving as serving
 
-    path = tiny_d64(results_dir)["llama-d64"]
-    prompts = [[5 + i, 17, 33, 90 + i, 12, 7, 7, 41] * 4 for i in range(3)]
-    params = {"max_new_tokens": 8, "temperature": 0}
-    with radixlm.Engine(model_path=path, dtype="bfloat16", max_total_tokens=8192) as engine:
-        first = engine.generate(input_ids=prompts, sampling_params=params)
-        again = engine.generate(input_ids=prompts, sampling_params=params)
-        chunks = list(engine.generate(input_ids=prompts[0], sampling_params=params, stream=True))
-    same = [a["output_ids"] for a in first] == [b["output_ids"] for b in again]
-    cached = [b["meta_info"]["cached_tokens"] for b in again]
-    ok = same and all(c > 0 for c in cached) and len(chunks) >= 1 and all(len(a["output_ids"]) == 8 for a in first)
-    return ok, f"repeat identical {same}, cached tokens on repeat {cached}, {len(chunks)} stream chunks"
+    return serving(tiny_d64(results_dir)["llama-d64"])
 
 
-def smollm2_shaped(results_dir: Path) -> str:
-    """A random Llama with SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152), bf16."""
+def phase_http(results_dir: Path) -> tuple[bool, str]:
+    from gpu_check_serving import phase_http as http
+
+    return http(tiny_d64(results_dir)["llama-d64"], results_dir / "http_server.log")
+
+
+SHAPES = {   # random Llama-architecture models in the shapes of two served models
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def shaped_model(results_dir: Path, name: str) -> str:
+    """A random bf16 Llama in one of SHAPES (initialised on the GPU: seconds, not minutes)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    folder = results_dir / "models" / "smollm2-shaped"
+    folder = results_dir / "models" / f"{name}-shaped"
     if not (folder / "config.json").exists():
-        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                             tie_word_embeddings=True, rope_theta=100000.0, initializer_range=0.1)
+        config = LlamaConfig(max_position_embeddings=8192, rope_theta=100000.0, initializer_range=0.1, **SHAPES[name])
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        torch.cuda.empty_cache()
     return str(folder)
 
 
-def decode_rate(path: str, bs: int, steps: int = 32, prompt_len: int = 128) -> tuple[float, float]:
-    """(tok/s, weight bytes) of greedy decode steps at batch bs through ModelRunner (CUDA graphs on)."""
-    import torch
+def decode_runner(path: str, max_bs: int = 64):
+    """A ModelRunner (CUDA graphs up to max_bs) with KV room for max_bs requests of 256 tokens."""
     from gpu_check import DEVICE
+
+    from radixlm.runtime.model_executor.model_runner import ModelRunner
+    from radixlm.runtime.server_args import ServerArgs
+
+    args = ServerArgs(model_path=path, device=DEVICE, dtype="bfloat16", max_total_tokens=max_bs * 256 + 512,
+                      max_running_requests=max_bs, cuda_graph_max_bs=max_bs).resolved()
+    return ModelRunner(args)
+
+
+def decode_rate(runner, bs: int, steps: int = 32, prompt_len: int = 128) -> tuple[float, float]:
+    """(tok/s, weight bytes) of greedy decode steps at batch bs through `runner` (a fresh KV table)."""
+    import torch
 
     from radixlm.runtime.managers.req import Req
     from radixlm.runtime.mem_cache.kv_manager import KVManager
     from radixlm.runtime.model_executor.forward_batch import ForwardMode
-    from radixlm.runtime.model_executor.model_runner import ModelRunner
     from radixlm.runtime.sampling_params import SamplingParams
-    from radixlm.runtime.server_args import ServerArgs
 
-    args = ServerArgs(model_path=path, device=DEVICE, dtype="bfloat16", max_total_tokens=bs * 256 + 512,
-                      max_running_requests=max(bs, 4), cuda_graph_max_bs=max(bs, 1)).resolved()
-    runner = ModelRunner(args)
     kv = KVManager(runner.num_pages, 1, runner.max_running_requests, runner.context_len, runner.device, True)
     reqs = [Req(rid=str(i), origin_input_ids=[(7 * i + j) % 40000 + 3 for j in range(prompt_len)],
                 sampling_params=SamplingParams()) for i in range(bs)]
@@ -165,24 +191,28 @@ def decode_rate(path: str, bs: int, steps: int = 32, prompt_len: int = 128) -> t
 
 
 def phase_decode_tps(results_dir: Path) -> tuple[bool, str]:
-    path = smollm2_shaped(results_dir)
-    parts = []
-    for bs in (1, 16, 64):
-        rate, weight_bytes = decode_rate(path, bs)
-        step_s = bs / rate
-        roofline = weight_bytes / H200_BYTES_PER_S
-        parts.append(f"bs={bs}: {rate:.0f} tok/s ({step_s * 1e3:.2f} ms/step, weight-read roofline "
-                     f"{roofline * 1e3:.3f} ms = {100 * roofline / step_s:.0f}%)")
-    return True, "SmolLM2-shaped bf16, CUDA graphs: " + "; ".join(parts)
+    lines = []
+    for name in SHAPES:
+        runner = decode_runner(shaped_model(results_dir, name))
+        parts = []
+        for bs in (1, 16, 64):
+            rate, weight_bytes = decode_rate(runner, bs)
+            step_s = bs / rate
+            roofline = weight_bytes / H200_BYTES_PER_S
+            parts.append(f"bs={bs}: {rate:.0f} tok/s ({step_s * 1e3:.2f} ms/step, weight-read roofline "
+                         f"{roofline * 1e3:.3f} ms = {100 * roofline / step_s:.0f}%)")
+        lines.append(f"{name}-shaped bf16 ({weight_bytes / 2**20:.0f} MiB): " + ", ".join(parts))
+    return True, "CUDA graphs on; " + "; ".join(lines)
 
 
 PHASES = [
-    Phase("flashinfer_jit", 150, phase_flashinfer_jit),
-    Phase("attention", 80, phase_attention),
-    Phase("greedy_hf", 60, phase_greedy_hf),
-    Phase("cuda_graphs", 40, phase_cuda_graphs),
-    Phase("engine", 40, phase_engine),
-    Phase("decode_tps", 50, phase_decode_tps),
+    Phase("flashinfer_jit", 170, phase_flashinfer_jit),
+    Phase("attention", 45, phase_attention),
+    Phase("greedy_hf", 45, phase_greedy_hf),
+    Phase("cuda_graphs", 30, phase_cuda_graphs),
+    Phase("serving", 45, phase_serving),
+    Phase("http", 40, phase_http),
+    Phase("decode_tps", 45, phase_decode_tps),
 ]
 
 
