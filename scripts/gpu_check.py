@@ -184,18 +184,17 @@ def runner_greedy(model_path: str, backend: str, page_size: int, dtype: str, pro
     fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(reqs),
                                    lens, loc, kv.req_to_token_pool)
     next_ids = runner.forward(fb).next_token_logits.argmax(-1).tolist()
-    outs = [[t] for t in next_ids]
+    kv.commit(reqs, lens)                                # as the scheduler does after each pass
     for _ in range(n_new - 1):
-        seq = [n + 1 for n in lens]
-        for req, n in zip(reqs, lens, strict=True):
-            req.cached_len = n
+        for req, t in zip(reqs, next_ids, strict=True):
+            req.output_ids.append(t)
+        prefix = [req.kv_committed_len for req in reqs]
         loc = kv.alloc_extend(reqs, [1] * len(reqs))
-        fb = runner.make_forward_batch(ForwardMode.DECODE, next_ids, rows, lens, seq, loc, kv.req_to_token_pool)
+        fb = runner.make_forward_batch(ForwardMode.DECODE, next_ids, rows, prefix, [n + 1 for n in prefix], loc,
+                                       kv.req_to_token_pool)
         next_ids = runner.forward(fb).next_token_logits.argmax(-1).tolist()
-        for out, t in zip(outs, next_ids, strict=True):
-            out.append(t)
-        lens = seq
-    return outs
+        kv.commit(reqs, [1] * len(reqs))
+    return [req.output_ids + [t] for req, t in zip(reqs, next_ids, strict=True)]
 
 
 def hf_generate(model, prompts: list[list[int]], n_new: int) -> list[list[int]]:

@@ -9,6 +9,7 @@ same GPU. `phase_http`: `launch_server` as a user starts it, then /health, /gene
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -85,9 +86,9 @@ def phase_serving(path: str) -> tuple[bool, str]:
             got = [t[0] for t in meta["input_token_logprobs"][1:]] + [t[0] for t in meta["output_token_logprobs"]]
             seq = ids + out["output_ids"]
             want = [logp[j - 1, seq[j]].item() for j in range(1, len(seq))]
-            err = max(abs(a - b) for a, b in zip(got, want))
+            err = max(abs(a - b) for a, b in zip(got, want, strict=True))
             tops = meta["output_top_logprobs"]
-            return err < 0.1 and len(tops) == 4 and all(len(t) == 2 for t in tops), f"max |ours-hf| {err:.3f} (bf16)"
+            return all(map(math.isfinite, got)) and err < 0.1 and len(tops) == 4 and all(len(t) == 2 for t in tops), f"max |ours-hf| {err:.3f} (bf16)"
 
         _check(checks, "logprobs", logprobs)
 

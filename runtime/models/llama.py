@@ -176,6 +176,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, options, i, local if i in config.sliding_window_layers else rotary_emb)
             for i in range(config.num_layers)
         )
+        self.ropes = (rotary_emb,) if local is rotary_emb else (rotary_emb, local)   # not submodules: layers own them
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @property
@@ -202,6 +203,9 @@ class LlamaModel(nn.Module):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            for rope in self.ropes:
+                rope.new_pass()
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)

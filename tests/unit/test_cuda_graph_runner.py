@@ -141,3 +141,31 @@ def test_graph_runner_step_equals_eager(llama_path: str, page_size: int) -> None
         replayed = runner(fb)
     assert replayed.shape == eager.shape
     assert (replayed - eager).abs().max().item() <= 1e-4
+
+
+def test_each_pass_computes_its_own_rope(llama_path: str, monkeypatch) -> None:
+    """A CUDA graph replays no Python, so nothing computed in an earlier pass may be reused by a
+    later one: the rope cos/sin gathered for the warm-up's positions were once reused by the
+    capture itself, and every replay on the H200 rotated by position 0 (greedy diverged at the
+    first graph decode). Here the same positions tensor, an inference tensor (no version counter),
+    is refilled in place between two passes, as the graph buffers are; the second pass must equal
+    a pass over a fresh tensor. The torch rope path runs (the fused CPU op keeps no cos/sin)."""
+    from radixlm.runtime.layers import rotary
+
+    monkeypatch.setattr(rotary.cpu_ops, "fits", lambda *tensors: False)
+    cfg = ModelConfig.from_path(llama_path)
+    model = load_model(cfg, "cpu", show_progress=False)
+    fb, _, _, _ = make_batch(decode_lens(), 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, seed=5,
+                             mode=ForwardMode.DECODE, num_layers=cfg.num_layers)
+    fb.input_ids = torch.randint(3, cfg.vocab_size, (fb.batch_size,), generator=torch.Generator().manual_seed(2))
+    native = create_backend("torch_native")
+    native.init_forward_metadata(fb)
+    fb.attn_backend = native
+    with torch.inference_mode():
+        positions = torch.zeros_like(fb.positions)
+        assert positions.is_inference()
+        model(fb.input_ids, positions, fb)                  # a pass at position 0 (the capture's warm-up)
+        positions.copy_(fb.positions)
+        refilled = model(fb.input_ids, positions, fb)
+        fresh = model(fb.input_ids, fb.positions.clone(), fb)
+    assert torch.equal(refilled, fresh)
