@@ -200,6 +200,43 @@ def decode_rate(runner, bs: int, steps: int = 32, prompt_len: int = 128) -> tupl
     return bs * steps / elapsed, weight_bytes, (time.perf_counter() - t0) / 20
 
 
+def profile_eager_decode(runner, bs: int = 1) -> str:
+    """Kernels of one eager decode pass (what a graph replays), by CUDA time; table in the log."""
+    import torch
+
+    from radixlm.runtime.managers.req import Req
+    from radixlm.runtime.mem_cache.kv_manager import KVManager
+    from radixlm.runtime.model_executor.forward_batch import ForwardMode
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    try:
+        kv = KVManager(runner.num_pages, 1, runner.max_running_requests, runner.context_len, runner.device, True)
+        reqs = [Req(rid=str(i), origin_input_ids=list(range(3, 67)), sampling_params=SamplingParams()) for i in range(bs)]
+        for req in reqs:
+            assert kv.admit(req, kv.match_prefix([]))
+            req.output_ids.append(5)
+        req_lens = [r.seq_len for r in reqs]
+        loc = kv.alloc_extend(reqs, req_lens)
+        rows = [r.req_pool_idx for r in reqs]
+        fb = runner.make_forward_batch(ForwardMode.DECODE, [5] * bs, rows, [n - 1 for n in req_lens], req_lens,
+                                       loc[-bs:], kv.req_to_token_pool)
+        with torch.inference_mode():
+            for _ in range(2):
+                runner.attn_backend.init_forward_metadata(fb)
+                runner.model(fb.input_ids, fb.positions, fb)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                runner.attn_backend.init_forward_metadata(fb)
+                runner.model(fb.input_ids, fb.positions, fb)
+                torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.device_time for e in events)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+        return f"eager decode bs={bs}: {len(events)} kernels, {busy_us / 1e3:.2f} ms of kernel time"
+    except Exception as exc:  # noqa: BLE001 - a profile is information, never a failure
+        return f"profile failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
 def phase_decode_tps(results_dir: Path) -> tuple[bool, str]:
     lines = []
     for name in SHAPES:
@@ -212,6 +249,7 @@ def phase_decode_tps(results_dir: Path) -> tuple[bool, str]:
             parts.append(f"bs={bs}: {rate:.0f} tok/s ({step_s * 1e3:.2f} ms/step, of which graph replay "
                          f"{replay_s * 1e3:.2f} ms; weight-read roofline {roofline * 1e3:.3f} ms = "
                          f"{100 * roofline / step_s:.0f}% of the step, {100 * roofline / replay_s:.0f}% of the replay)")
+        parts.append(profile_eager_decode(runner))
         lines.append(f"{name}-shaped bf16 ({weight_bytes / 2**20:.0f} MiB): " + ", ".join(parts))
     return True, "CUDA graphs on; " + "; ".join(lines)
 

@@ -62,17 +62,22 @@ def phase_serving(path: str) -> tuple[bool, str]:
 
         _check(checks, "greedy vs HF (chunked + mixed)", lambda: compare_greedy(hf, prompts, ours, theirs, 0.15))
 
+        # bf16 on a GPU: a radix hit (1-token extend over cached KV) or another batch makes other
+        # kernel tilings than the cold batch, so a near tie may flip; as for the cold run, every
+        # divergence from HF must be a near tie (identity with the cold run is reported, not required).
         def radix_hit():
-            again = engine.generate(input_ids=prompts, sampling_params=greedy)
-            cached = [o["meta_info"]["cached_tokens"] for o in again]
-            same = [o["output_ids"] for o in again] == ours
-            return same and all(c >= n - 1 for c, n in zip(cached, PROMPT_LENS)), f"cached {cached}, same {same}"
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+            again, cached = [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs]
+            ok, detail = compare_greedy(hf, prompts, again, theirs, 0.15)
+            ok = ok and all(c >= n - 1 for c, n in zip(cached, PROMPT_LENS))
+            return ok, f"cached {cached}; vs HF {detail}; identical to the cold run {again == ours}"
 
         _check(checks, "radix hit", radix_hit)
 
         def stream():
             chunks = list(engine.generate(input_ids=prompts[1], sampling_params=greedy, stream=True))
-            return chunks[-1]["output_ids"] == ours[1], f"{len(chunks)} chunks, last equals non-streamed"
+            ok, detail = compare_greedy(hf, prompts[1:2], [chunks[-1]["output_ids"]], theirs[1:2], 0.15)
+            return ok, f"{len(chunks)} chunks; vs HF {detail}; identical to the batched run {chunks[-1]['output_ids'] == ours[1]}"
 
         _check(checks, "stream", stream)
 
