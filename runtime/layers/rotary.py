@@ -124,7 +124,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * attention, sin * attention
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
-        self._last: tuple | None = None     # (positions, dtype, cos, sin) of this pass, see new_pass
+        self._last: tuple | None = None     # (positions, its version, dtype, cos, sin) of this pass
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [n, heads*head_dim], k: [n, kv_heads*head_dim], positions: [n]
@@ -151,14 +151,16 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of `positions`, both halves (rotary_dim wide), in `dtype`. Every layer of one forward
         pass passes the same `positions` tensor, so the gather is done once per pass (after `new_pass`)
-        and reused by the other layers (side effect: keeps a reference to the last `positions`)."""
+        and reused by the other layers, unless `positions` changed in place (its version counter, where
+        it has one). Side effect: keeps a reference to the last `positions`."""
         if torch.compiler.is_compiling():          # traced once; the compiler dedupes the gathers
             return self._gather(positions, dtype)
         last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
-            return last[2], last[3]
+        version = _version_of(positions)
+        if last is not None and last[0] is positions and last[1:3] == (version, dtype):
+            return last[3], last[4]
         cos, sin = self._gather(positions, dtype)
-        self._last = (positions, dtype, cos, sin)
+        self._last = (positions, version, dtype, cos, sin)
         return cos, sin
 
     def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,3 +174,8 @@ class RotaryEmbedding(nn.Module):
             return (shaped * cos + rotate_half(shaped) * sin).view_as(x)
         rot, rest = shaped[..., :self.rotary_dim], shaped[..., self.rotary_dim:]
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1).view_as(x)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """The in-place version counter of `t` (None for inference tensors, which have none)."""
+    return None if t.is_inference() else t._version

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..utils import align_down, align_up
+from ..utils import align_down, align_up, to_device
 from .base_cache import BasePrefixCache, InsertResult, MatchResult
 from .memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, new_slots_needed
 
@@ -195,7 +195,7 @@ class KVManager:
             for row, p, end, slot in zip(rows, prefix_lens, ends, host_loc[last.clamp(min=0)].tolist()):
                 if end > p:
                     self._tail_slot[row] = (end, slot)
-        loc = host_loc.to(table.device)          # the one host->device copy of out_cache_loc
+        loc = to_device(host_loc, table.device)  # the one host->device copy of out_cache_loc (pinned on CUDA)
         write_slots(table, rows, prefix_lens, ends, loc)
         return loc
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..utils import to_device
+
 if TYPE_CHECKING:
     from ..mem_cache.memory_pool import KVCache, ReqToTokenPool
 
@@ -66,21 +68,22 @@ class ForwardBatch:
         """Builds the tensors. Reads nothing from the table and writes nothing anywhere.
 
         No Python loop over requests: a few list->tensor conversions and, for extends, one
-        vectorized position computation (decode positions are the prefix lengths themselves)."""
+        vectorized position computation (decode positions are the prefix lengths themselves).
+        Each host tensor reaches the device once, through pinned memory on CUDA (`to_device`)."""
         prefix_t = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
-        prefix_dev = prefix_t.to(device)                          # copied to the device once
+        prefix_dev = to_device(prefix_t, device)
         if mode.is_decode:
             positions = prefix_dev                                # the one new token sits at prefix_len
         else:
-            positions = extend_positions(prefix_t, seq_t).to(device)
+            positions = to_device(extend_positions(prefix_t, seq_t), device)
         return ForwardBatch(
             forward_mode=mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64), device),
             positions=positions,
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),   # no copy: KVManager put it there
-            req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
-            seq_lens=seq_t.to(device),
+            req_pool_indices=to_device(torch.tensor(req_rows, dtype=torch.int64), device),
+            seq_lens=to_device(seq_t, device),
             prefix_lens=prefix_dev,
             seq_lens_cpu=list(seq_lens),
             prefix_lens_cpu=list(prefix_lens),
