@@ -12,9 +12,10 @@ onednn -> torch).
 
 Measuring: each distinct (out, in, dtype, bias) shape is timed at decode batches DECODE_ROWS and,
 except for the LM head (it sees one row per request), at PREFILL_ROWS rows, round-robin over the
-candidates, the best of a few passes (retried while the CPU is busy). Timing stops after MEASURE_BUDGET_S: shapes left untimed
-take the first candidate they allow. A pass runs the matmul over enough copies of the weight to
-exceed twice the last-level cache, so decode is timed reading weights from memory, as in a real
+candidates, the best of a few passes (retried while the CPU is busy). Shapes are timed in order of
+the bytes a step reads from them (count x size: the LM head and the MLP first); timing stops after
+MEASURE_BUDGET_S, and a shape left untimed takes the kernel that won the most timed bytes. A pass
+runs the matmul over enough copies of the weight to exceed twice the last-level cache, so decode is timed reading weights from memory, as in a real
 step. The gemm copies sit in 2 MiB pages, as its arena does.
 
 One layout per weight (two would double the weights' memory): the winner minimises
@@ -62,7 +63,7 @@ TIE = 0.03
 PASSES = 3                                    # clean timed passes per bucket and candidate (best is kept)
 MAX_PASSES = 8
 BUSY_SHARE = 0.8
-MEASURE_BUDGET_S = 15.0                       # then the rest is untimed: the first candidate allowed
+MEASURE_BUDGET_S = 15.0                       # then the rest is untimed (untimed_choice)
 MAX_COPIES = 64
 CACHE_VERSION = 1
 NOISY: dict[str, Any] = {}                    # timings with no quiet pass: this process only, never in the file
@@ -226,6 +227,19 @@ def pick(times: dict[str, dict[str, float]], allowed: list[str]) -> str:
     return next(c for c in allowed if score[c] <= best * (1 + TIE))
 
 
+def untimed_choice(choices: dict[str, str], by_shape: dict[Shape, list[nn.Module]], allowed: list[str]) -> str:
+    """For a weight left untimed: the kernel that won the most weight bytes among the timed shapes
+    (`choices`, by shape key) if this weight allows it, else the first it allows."""
+    won: dict[str, int] = {}
+    for shape, group in by_shape.items():
+        if shape.key in choices:
+            won[choices[shape.key]] = won.get(choices[shape.key], 0) + len(group) * group[0].weight.numel()
+    for kernel in sorted(won, key=won.get, reverse=True):
+        if kernel in allowed:
+            return kernel
+    return allowed[0]
+
+
 def forced(mode: str, allowed: list[str]) -> str:
     """The forced kernel, or the next of gemm -> onednn -> torch that this weight allows."""
     order = CANDIDATES[CANDIDATES.index(mode):]
@@ -308,7 +322,11 @@ def choose_kernels(modules: list[nn.Module]) -> dict[int, str]:
     cached = load_cache(cache_file()) if mode == "auto" else {}
     fresh: dict[str, Any] = {}
     out: dict[int, str] = {}
-    for shape, group in by_shape.items():
+    # The weights a step reads most are timed first, so an exhausted budget leaves only the small
+    # ones untimed (the LM head was once left untimed, and its default cost 4 ms a step on AMX).
+    order = sorted(by_shape.items(), key=lambda kv: -len(kv[1]) * kv[1][0].weight.numel())
+    untimed: list[tuple[Shape, list[nn.Module], list[str]]] = []
+    for shape, group in order:
         first = group[0]
         allowed = candidates(first.weight, getattr(first, "bias", None))
         if mode != "auto":
@@ -328,10 +346,19 @@ def choose_kernels(modules: list[nn.Module]) -> dict[int, str]:
                 else:
                     sel.busy += 1
                     NOISY[key] = times
-            choice = pick(times, allowed) if times else allowed[0]
+            if not times:
+                untimed.append((shape, group, allowed))
+                continue
+            choice = pick(times, allowed)
             sel.times[shape.key] = times
             logger.info("Linear %s (%d weights): %s; µs per call by rows: %s", shape.key, len(group), choice,
                         "; ".join(f"{r}: " + " ".join(f"{k} {times[r][k]:.0f}" for k in allowed) for r in times))
+        sel.choices[shape.key] = choice
+        out.update({id(m): choice for m in group})
+    for shape, group, allowed in untimed:         # out of time: what won the timed weights, by bytes
+        choice = untimed_choice(sel.choices, by_shape, allowed)
+        logger.info("Linear %s (%d weights): %s (not timed: the measuring budget ran out)", shape.key,
+                    len(group), choice)
         sel.choices[shape.key] = choice
         out.update({id(m): choice for m in group})
     if fresh:

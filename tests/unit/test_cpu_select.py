@@ -228,3 +228,23 @@ def test_refusal_cap_reaches_onednn_in_a_fresh_process():
     assert "cap AVX512_CORE" in out
     isa = [line for line in out.splitlines() if ",isa:" in line]
     assert isa and "AVX512BW, AVX512VL, and AVX512DQ" in isa[0] and "AMX" not in isa[0]
+
+
+def test_budget_times_the_most_read_weights_first_and_untimed_follow_the_winners(monkeypatch):
+    """With time for one shape only, the one a step reads most (count x size) is timed, and the
+    others take what won it, not a fixed default (the LM head was once left untimed on gemm,
+    4x slower than oneDNN's AMX kernel at 16 rows)."""
+    block = make_block()
+    modules = [block.down, block.odd, block.untied_head, block.up]
+    timed: list[str] = []
+
+    def fake_measure(shape, weight, bias, kernels_, deadline):
+        timed.append(shape.key)
+        monkeypatch.setattr(ls, "MEASURE_BUDGET_S", -1.0)      # the budget is gone after this shape
+        return times({r: "torch" for r in shape.rows}), True
+
+    monkeypatch.setattr(ls, "measure", fake_measure)
+    chosen = ls.choose_kernels(modules)
+    biggest = max(modules, key=lambda m: m.weight.numel())
+    assert timed == [ls.shape_of(biggest).key]
+    assert all(chosen[id(m)] == "torch" for m in modules)
