@@ -53,6 +53,7 @@ from ...kernels.cpu_build import cpu_flags, cpu_model_name, kernel_cache_root
 from .. import env
 from ..mem_cache.huge_pages import huge_page_empty
 from . import packed_linear as pl
+from .neighbour_load import NeighbourLoad
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = 256
 TIE = 0.03
 PASSES = 3                                    # clean timed passes per bucket and candidate (best is kept)
-MAX_PASSES = 8
-BUSY_SHARE = 0.8
+MAX_PASSES = 8                                # so at most 2 blocks (a retry) per bucket
+NEIGHBOUR_SHARE = 0.2                         # other processes' share of the cores a quiet block allows
+MIN_BLOCK_S = 0.15                            # /proc/stat counts in 10 ms ticks
+MAX_BLOCK_ROUNDS = 64
 MEASURE_BUDGET_S = 15.0                       # then the rest is untimed (untimed_choice)
 MAX_COPIES = 64
 CACHE_VERSION = 1
@@ -141,8 +144,8 @@ def machine_key() -> str:
 
 @dataclass
 class PassTimes:
-    """One candidate's timed passes (µs per call): the best clean pass, the best of any pass, and
-    the best CPU time per thread; `clean` counts passes this process had the CPU for."""
+    """One candidate's timed passes (µs per call): the best pass timed while the neighbours were
+    quiet, the best of any pass, and the best CPU time per thread; `clean` counts the quiet passes."""
     clean_us: float = math.inf
     any_us: float = math.inf
     cpu_us: float = math.inf
@@ -151,28 +154,36 @@ class PassTimes:
 
 def time_passes(calls: dict[str, Callable[[], None]], per_call: int, passes: int, max_passes: int,
                 deadline: float) -> dict[str, PassTimes]:
-    """Times each of `calls` (one run makes `per_call` kernel calls) in rounds: pass 0 warms up (page
-    faults, oneDNN primitive cache); a pass is clean when this process's CPU time covered
-    BUSY_SHARE of its threads' wall time (else a neighbour took the CPU). Stops once every candidate
-    has `passes` clean passes, after `max_passes`, or after one timed pass past `deadline`."""
+    """Times each of `calls` (one run makes `per_call` kernel calls) round-robin, in blocks of at
+    least `passes` rounds and MIN_BLOCK_S (the first round of the first block warms up: page faults,
+    oneDNN's primitive cache). A block is quiet when other processes took at most NEIGHBOUR_SHARE of
+    the machine during it (neighbour_load.py); its passes then count as clean. Blocks repeat until
+    one is quiet, max_passes // passes blocks have run, or the deadline has passed."""
     threads = torch.get_num_threads()
     out = {k: PassTimes() for k in calls}
-    for i in range(max_passes + 1):
-        for k, call in calls.items():
-            t = out[k]
-            if t.clean >= passes:
-                continue
-            c0, t0 = time.process_time(), time.perf_counter()
-            call()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if i:
-                us = wall / per_call * 1e6
-                t.any_us = min(t.any_us, us)
-                t.cpu_us = min(t.cpu_us, cpu / threads / per_call * 1e6)
-                if cpu >= BUSY_SHARE * wall * threads:
-                    t.clean += 1
-                    t.clean_us = min(t.clean_us, us)
-        if min(t.clean for t in out.values()) >= passes or (i and time.perf_counter() > deadline):
+    rounds = 0
+    for _ in range(max(1, max_passes // passes)):
+        block = {k: math.inf for k in calls}
+        n, start = 0, time.perf_counter()
+        with NeighbourLoad() as load:
+            while n < passes or (time.perf_counter() - start < MIN_BLOCK_S and n < MAX_BLOCK_ROUNDS):
+                for k, call in calls.items():
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    call()
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    if rounds or n:
+                        block[k] = min(block[k], wall / per_call * 1e6)
+                        out[k].cpu_us = min(out[k].cpu_us, cpu / threads / per_call * 1e6)
+                n += 1
+        rounds += n
+        for k, t in out.items():
+            t.any_us = min(t.any_us, block[k])
+        if load.share is None or load.share <= NEIGHBOUR_SHARE:
+            for k, t in out.items():
+                t.clean += n
+                t.clean_us = min(t.clean_us, block[k])
+            break
+        if time.perf_counter() > deadline:
             break
     return out
 
@@ -279,9 +290,9 @@ def measure(shape: Shape, weight: torch.Tensor, bias: torch.Tensor | None,
             kernels_: list[str], deadline: float = math.inf) -> tuple[dict[str, dict[str, float]], bool]:
     """({rows: {kernel: µs per call}}, quiet) for this weight, timed as the module docstring says.
 
-    A pass counts only when this process's CPU time covered at least BUSY_SHARE of its threads' wall
-    time (else a neighbour took the CPU); after MAX_PASSES the best of all passes is kept and
-    `quiet` is False (the caller does not cache such times). Past `deadline` (perf_counter) the
+    Passes count only while other processes left the CPU alone (time_passes); after MAX_PASSES
+    rounds without a quiet block the best of all passes is kept and `quiet` is False (the caller
+    does not cache such times). Past `deadline` (perf_counter) the
     bucket stops after one timed pass and no further bucket is timed."""
     weight = weight.detach().contiguous()
     copies = _copies_for(weight)

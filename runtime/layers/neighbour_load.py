@@ -1,0 +1,52 @@
+"""How much of the machine other processes took while a block of code ran.
+
+    with NeighbourLoad() as load:
+        run_timed_kernels()
+    load.share       # other processes' CPU time / (wall time x cores); None if /proc/stat is unreadable
+
+Kernel timings are kept only when the neighbours were quiet. This process's own CPU share is no
+such signal: a oneDNN call of a few hundred microseconds may keep one of its two threads busy and
+leave the other waiting, on an otherwise idle machine. The machine-wide busy time (/proc/stat, in
+clock ticks) minus this process's CPU time is; blocks should last a tenth of a second or more, since
+/proc/stat counts in ticks of 10 ms.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def busy_seconds() -> tuple[float, int] | None:
+    """(CPU seconds all cores spent on anything but idle and iowait since boot, number of cores),
+    from /proc/stat; None if unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+        fields = [int(v) for v in lines[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / TICKS_PER_S, max(cores, 1)
+
+
+class NeighbourLoad:
+    """Context manager measuring other processes' share of all cores over its block."""
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    def __enter__(self) -> NeighbourLoad:
+        self._busy, self._own, self._wall = busy_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = busy_seconds()
+        if end is None or self._busy is None:
+            return
+        wall = time.perf_counter() - self._wall
+        others = (end[0] - self._busy[0]) - (time.process_time() - self._own)
+        self.share = max(0.0, others) / max(wall * end[1], 1e-9)
