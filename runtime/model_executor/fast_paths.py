@@ -20,6 +20,7 @@ from ...kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
 from .. import env
 from ..layers.linear_select import last_selection
 from ..layers.packed_linear import GemmWeight
+from ..layers.quant_linear import QuantWeight
 from ..mem_cache.huge_pages import transparent_huge_pages
 from .cpu_decoder import CpuDecoder, _unsupported_reason
 
@@ -93,8 +94,11 @@ def _packed(runner: Any) -> str:
     packed = [m.packed_weight for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
     if packed:
         gemm = sum(isinstance(p, GemmWeight) for p in packed)
+        quant = sum(isinstance(p, QuantWeight) for p in packed)
         plain = sum(getattr(m, "linear_kernel", None) == "torch" for m in runner.model.modules())
-        return (f"on ({len(packed)} linear weights: {gemm} in the gemm layout, {len(packed) - gemm} in oneDNN's"
+        layouts = [f"{gemm} in the gemm layout" if gemm else "", f"{quant} GGUF-quantized" if quant else "",
+                   f"{len(packed) - gemm - quant} in oneDNN's" if len(packed) - gemm - quant else ""]
+        return (f"on ({len(packed)} linear weights: {', '.join(x for x in layouts if x)}"
                 f"{f'; {plain} plain (F.linear measured faster)' if plain else ''})")
     if args.disable_packed_weights:
         return "off (--disable-packed-weights / RADIXLM_DISABLE_PACKED_WEIGHTS)"
