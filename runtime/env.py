@@ -92,6 +92,9 @@ def _var(name: str, type_: type, default: Any, help_: str, field: str | None = N
 # ------------------------------------------------------------------ CPU threads and memory
 NUM_THREADS = _var("RADIXLM_NUM_THREADS", int, None, "torch threads per scheduler process (default: the "
                    "available cores // (tp_size * dp_size), at least 1).", "num_threads")
+CPU_FIXED_THREADS = _var("RADIXLM_CPU_FIXED_THREADS", bool, False, "On CPU, keep the torch thread count fixed instead of "
+                     "dropping one thread while other processes keep a core busy (runtime/managers/thread_adapter.py).",
+                     "cpu_fixed_threads")
 DISABLE_CPU_PRELOAD = _var("RADIXLM_DISABLE_CPU_PRELOAD", bool, False, "On CPU, do not LD_PRELOAD tcmalloc into "
                            "the scheduler and detokenizer even when it is installed.", "disable_cpu_preload")
 # ------------------------------------------------------------------ CPU fast paths

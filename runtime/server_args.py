@@ -117,6 +117,7 @@ class ServerArgs:
     require_kernels: bool = _env("require_kernels")
     num_threads: int | None = _env("num_threads")
     disable_cpu_preload: bool = _env("disable_cpu_preload")
+    cpu_fixed_threads: bool = _env("cpu_fixed_threads")
     disable_cuda_graph: bool = _f(False, "On CUDA, run decode steps eagerly instead of replaying captured "
                                   "CUDA graphs (one per batch-size bucket: 1, 2, 4, 8, 16, 24, ...).")
     cuda_graph_max_bs: int | None = _f(None, "Largest decode batch replayed from a CUDA graph; larger batches "

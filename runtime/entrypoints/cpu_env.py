@@ -13,7 +13,9 @@ What each setting did for radixlm (SmolLM2-135M bf16, 2 cores, benchmarks/README
   TPOT went from 25 to 35-38 ms, at concurrency 16 throughput fell from 221 to 155 tok/s. When
   the threads oversubscribe the cores (an explicit `--num-threads`, or more schedulers than
   cores) PASSIVE is set, since spinning threads then starve each other (measured 80x slower).
-  An OMP_WAIT_POLICY in the environment always wins.
+  An OMP_WAIT_POLICY in the environment always wins. Spinning has one cost: beside a busy process
+  (a compile, another server) a decode step went from 29 to 300 ms; each scheduler then drops a
+  thread while that lasts (runtime/managers/thread_adapter.py; `--cpu-fixed-threads` keeps the count).
 - **tcmalloc** (Debian's `libtcmalloc-minimal4`) goes into LD_PRELOAD when installed: with the
   default wait policy it took batch-1 TPOT from 28-31 to 25 ms. `--disable-cpu-preload` (or
   `RADIXLM_DISABLE_CPU_PRELOAD=1`) leaves LD_PRELOAD alone.
@@ -65,7 +67,9 @@ def cpu_child_env(server_args: ServerArgs, env: dict[str, str]) -> tuple[dict[st
         return env, notes
     if "OMP_WAIT_POLICY" not in env and threads * schedulers > cores:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    notes.append(f"{schedulers} scheduler(s) x {threads} torch thread(s) on {cores} core(s), "
+    adapt = ("fixed" if server_args.cpu_fixed_threads or radixlm_env.CPU_FIXED_THREADS.get(env)
+             else "one fewer while other processes keep a core busy")
+    notes.append(f"{schedulers} scheduler(s) x {threads} torch thread(s) on {cores} core(s) ({adapt}), "
                  f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', 'default')}")
     if server_args.disable_cpu_preload or radixlm_env.DISABLE_CPU_PRELOAD.get(env):
         notes.append("tcmalloc: not preloaded (disabled)")

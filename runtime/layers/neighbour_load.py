@@ -33,6 +33,22 @@ def busy_seconds() -> tuple[float, int] | None:
     return (sum(fields[:8]) - idle) / TICKS_PER_S, max(cores, 1)
 
 
+Sample = tuple[float, float, "tuple[float, int] | None"]    # (wall s, this process's CPU s, busy_seconds())
+
+
+def sample() -> Sample:
+    return time.perf_counter(), time.process_time(), busy_seconds()
+
+
+def others_share(start: Sample, end: Sample) -> float | None:
+    """Other processes' CPU time between two samples over (wall time x cores); None if unreadable."""
+    (t0, own0, busy0), (t1, own1, busy1) = start, end
+    if busy0 is None or busy1 is None:
+        return None
+    others = (busy1[0] - busy0[0]) - (own1 - own0)
+    return max(0.0, others) / max((t1 - t0) * busy1[1], 1e-9)
+
+
 class NeighbourLoad:
     """Context manager measuring other processes' share of all cores over its block."""
 
@@ -40,13 +56,8 @@ class NeighbourLoad:
         self.share: float | None = None
 
     def __enter__(self) -> NeighbourLoad:
-        self._busy, self._own, self._wall = busy_seconds(), time.process_time(), time.perf_counter()
+        self._start = sample()
         return self
 
     def __exit__(self, *exc) -> None:
-        end = busy_seconds()
-        if end is None or self._busy is None:
-            return
-        wall = time.perf_counter() - self._wall
-        others = (end[0] - self._busy[0]) - (time.process_time() - self._own)
-        self.share = max(0.0, others) / max(wall * end[1], 1e-9)
+        self.share = others_share(self._start, sample())

@@ -14,6 +14,7 @@ import logging
 import sys
 import traceback
 
+import torch
 import zmq
 
 from ..server_args import ServerArgs
@@ -21,6 +22,7 @@ from ..utils import configure_logging, kill_self_with_parent
 from .io_struct import ChildFailed, SchedulerReady
 from .ipc import PortArgs, Puller, Pusher
 from .scheduler import IDLE_POLL_MS, Scheduler, set_torch_threads
+from .thread_adapter import ThreadAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ GRAMMAR_POLL_MS = 5          # how often a scheduler with only compiling grammar
 
 
 def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
+    adapter = None
+    if scheduler.runner.device.type == "cpu" and not scheduler.args.cpu_fixed_threads:
+        adapter = ThreadAdapter(torch.get_num_threads())
     while True:
         if not scheduler.has_work():
             wait_ms = IDLE_POLL_MS
@@ -66,6 +71,8 @@ def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
             scheduler.handle(msg)
         if scheduler.has_work():
             scheduler.step()
+            if adapter is not None:
+                adapter.tick()
             if not scheduler.has_work():    # just went idle: final stats now, and a leak check
                 scheduler.send(scheduler.stats())
                 scheduler.check_idle_invariants()

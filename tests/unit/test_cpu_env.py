@@ -11,7 +11,8 @@ from radixlm.runtime.entrypoints.cpu_env import cpu_child_env, find_tcmalloc
 
 
 def args(tp: int = 1, dp: int = 1, device: str = "cpu", disable: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(tp_size=tp, dp_size=dp, nnodes=1, device=device, disable_cpu_preload=disable)
+    return SimpleNamespace(tp_size=tp, dp_size=dp, nnodes=1, device=device, disable_cpu_preload=disable,
+                           cpu_fixed_threads=False)
 
 
 @pytest.fixture
