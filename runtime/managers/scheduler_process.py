@@ -46,7 +46,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         scheduler.send = pusher.send
     ready_writer.send(SchedulerReady(scheduler.runner.info()))
     try:
-        event_loop(scheduler, puller)
+        adapter = None
+        if scheduler.runner.device.type == "cpu" and not scheduler.args.cpu_fixed_threads:
+            adapter = ThreadAdapter(torch.get_num_threads())
+        event_loop(scheduler, puller, adapter)
     except Exception:  # noqa: BLE001
         logger.error("scheduler crashed: %s", traceback.format_exc())
         sys.exit(1)
@@ -55,10 +58,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
 GRAMMAR_POLL_MS = 5          # how often a scheduler with only compiling grammars checks them
 
 
-def event_loop(scheduler: Scheduler, puller: Puller | None) -> None:
-    adapter = None
-    if scheduler.runner.device.type == "cpu" and not scheduler.args.cpu_fixed_threads:
-        adapter = ThreadAdapter(torch.get_num_threads())
+def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapter | None = None) -> None:
+    """Receives, steps, repeats; `adapter` (CPU) adapts the thread count to the neighbours' load."""
     while True:
         if not scheduler.has_work():
             wait_ms = IDLE_POLL_MS
