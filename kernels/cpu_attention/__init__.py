@@ -43,7 +43,7 @@ def load_cpu_attention(isa: str | None = None):
     Side effects: may compile into the cache folder (tens of seconds) and logs that it does.
     """
     mod = load_extension("cpu_attention", "CPU attention kernels", isa, [_SRC_DIR / "paged_attention.cpp"],
-                         [_SRC_DIR / "paged_attention.h", _SRC_DIR / "simd.h"])
+                         [_SRC_DIR / "paged_attention.h", _SRC_DIR / "extend_brgemm.h", _SRC_DIR / "simd.h"])
     if mod is not None:
         _register_custom_ops(mod)
     return mod
