@@ -20,7 +20,8 @@
 // npad: n rounded up to kKeyPad (the AMX tile depth for bf16). Without the packed layout
 // (cpublas::could_pack false: no AMX), kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv], and
 // brgemm runs its plain gemm fallback. Requests with more than one query block have their key
-// blocks packed once, up front (PackedKV); the others' tasks pack their own.
+// blocks packed once into a shared arena by whichever task needs them first (PackedKV); the others'
+// tasks pack their own.
 //
 // P is rounded to bf16 before P.V and l sums the rounded values, so the weights the output uses sum
 // to exactly l. Results differ from extend()'s fp32 math by the bf16 rounding of P.
@@ -32,6 +33,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "paged_attention.h"
@@ -193,9 +195,10 @@ struct BrgemmTask {
   int64_t b, i0, kvh, cost;
 };
 
-// Where the key blocks of one (request, kv head) are when packed up front (requests with more than
-// one query block, whose tasks would otherwise each pack the same blocks): block i (keys
-// [i * kKeys, ...)) is arena block offset + i - first, its K^T then its V.
+// Where the key blocks of one (request, kv head) are when shared (requests with more than one query
+// block, whose tasks would otherwise each pack the same blocks): block i (keys [i * kKeys, ...)) is
+// arena block offset + i - first, its K^T then its V. The first task to need a block packs it there
+// (state 0 -> 1 -> 2); a task that finds it being packed (1) packs its own copy instead of waiting.
 struct PackedKV {
   int64_t offset = -1;   // -1: not packed up front (each task packs its blocks)
   int64_t first = 0;     // first packed block (a window skips the older ones)
@@ -218,7 +221,6 @@ void extend_brgemm_kernel(const Args& a, int D) {
   };
   std::vector<BrgemmTask> tasks;
   std::vector<PackedKV> packed(a.bs * a.KVH);
-  std::vector<std::pair<int64_t, int64_t>> pack_jobs;   // (request * KVH + kv head, block)
   int64_t packed_blocks = 0;
   for (int64_t b = 0; b < a.bs; ++b) {
     const int64_t ext = a.qo_indptr[b + 1] - a.qo_indptr[b], p = a.prefix_lens[b];
@@ -230,18 +232,13 @@ void extend_brgemm_kernel(const Args& a, int D) {
       const int64_t first = first_key(b, 0) / kKeys, last = (a.seq_lens[b] + kKeys - 1) / kKeys;
       for (int64_t kvh = 0; kvh < a.KVH; ++kvh) {
         packed[b * a.KVH + kvh] = {packed_blocks, first};
-        for (int64_t i = first; i < last; ++i) pack_jobs.emplace_back(b * a.KVH + kvh, i);
         packed_blocks += last - first;
       }
     }
   }
   std::vector<bf16> arena(static_cast<size_t>(packed_blocks * block_elems));
-  // the packed block of request b, kv head kvh holding key j0 (a multiple of kKeys); nullptr when the
-  // request's tasks pack their own
-  auto block_of = [&](int64_t b, int64_t kvh, int64_t j0) -> bf16* {
-    const PackedKV& pk = packed[b * a.KVH + kvh];
-    return pk.offset < 0 ? nullptr : arena.data() + (pk.offset + j0 / kKeys - pk.first) * block_elems;
-  };
+  std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[packed_blocks]);   // 0 empty, 1 packing, 2 ready
+  for (int64_t i = 0; i < packed_blocks; ++i) state[i].store(0, std::memory_order_relaxed);
   auto pack_block = [&](bf16* dst, int64_t b, int64_t kvh, int64_t j0) {
     const int32_t* tok = a.table + a.rows[b] * a.table_s0;
     const int n = static_cast<int>(std::min<int64_t>(kKeys, a.seq_lens[b] - j0));
@@ -249,12 +246,24 @@ void extend_brgemm_kernel(const Args& a, int D) {
     pack_k(dst, k, tok + j0, n, npad, D, a.k_s0, kvh * a.k_s1, vnni);
     pack_v(dst + static_cast<int64_t>(kKeys) * D, v, tok + j0, n, npad, D, a.v_s0, kvh * a.v_s1, vnni);
   };
-  at::parallel_for(0, static_cast<int64_t>(pack_jobs.size()), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [bk, blk] = pack_jobs[i];
-      pack_block(block_of(bk / a.KVH, bk % a.KVH, blk * kKeys), bk / a.KVH, bk % a.KVH, blk * kKeys);
+  // the packed block of request b, kv head kvh holding keys from j0 (a multiple of kKeys): the shared
+  // copy (packed now if nobody has), or `own` packed now
+  auto block_of = [&](int64_t b, int64_t kvh, int64_t j0, bf16* own) -> const bf16* {
+    const PackedKV& pk = packed[b * a.KVH + kvh];
+    if (pk.offset >= 0) {
+      const int64_t i = pk.offset + j0 / kKeys - pk.first;
+      bf16* shared = arena.data() + i * block_elems;
+      int st = state[i].load(std::memory_order_acquire);
+      if (st == 2) return shared;
+      if (st == 0 && state[i].compare_exchange_strong(st, 1, std::memory_order_acq_rel)) {
+        pack_block(shared, b, kvh, j0);
+        state[i].store(2, std::memory_order_release);
+        return shared;
+      }
     }
-  });
+    pack_block(own, b, kvh, j0);
+    return own;
+  };
   std::stable_sort(tasks.begin(), tasks.end(), [](const BrgemmTask& x, const BrgemmTask& y) { return x.cost > y.cost; });
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
@@ -276,11 +285,7 @@ void extend_brgemm_kernel(const Args& a, int D) {
       for (int64_t j0 = j_begin; j0 < k_end; j0 += kKeys) {
         const int n = static_cast<int>(std::min<int64_t>(kKeys, k_end - j0));
         const int npad = (n + kKeyPad - 1) / kKeyPad * kKeyPad;
-        bf16* blk = block_of(b, kvh, j0);
-        if (blk == nullptr) {
-          blk = own.data();
-          pack_block(blk, b, kvh, j0);
-        }
+        const bf16* blk = block_of(b, kvh, j0, own.data());
         const bf16* kp = blk;
         const bf16* vp = blk + static_cast<int64_t>(kKeys) * D;
         for (int g = 0; g < G; ++g) {
