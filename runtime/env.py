@@ -127,6 +127,12 @@ CPU_QUANT_KERNEL = _var("RADIXLM_CPU_QUANT_KERNEL", str, "auto", "Kernel of the 
                         "rows once, cached beside linear_select.json's bf16 choices; each call then uses the "
                         "winner for its row count), or force vnni, gemm or dequant at every row count.",
                         "cpu_quant_kernel", ("auto", "vnni", "gemm", "dequant"))
+CPU_EXTEND_KERNEL = _var("RADIXLM_CPU_EXTEND_KERNEL", str, "auto", "Kernel of the CPU extend (prefill) attention "
+                         "for bf16 models: auto (time radixlm's AVX512/AVX2 kernel (simd) against the brgemm one "
+                         "(torch's CPU micro-kernel: AMX tiles where the CPU has them) once per head shape, cached "
+                         "beside linear_select.json's choices; extends of at least 16 new tokens per request take "
+                         "the winner), or force brgemm or simd for every extend. Decode always runs the simd "
+                         "kernel.", "cpu_extend_kernel", ("auto", "brgemm", "simd"))
 CPU_KERNEL_ISA = _var("RADIXLM_CPU_KERNEL_ISA", str, None, "SIMD path of the C++ CPU kernels (default: the "
                       "best this CPU runs, avx512 then avx2).", "cpu_kernel_isa", ("avx512", "avx2"))
 REQUIRE_KERNELS = _var("RADIXLM_REQUIRE_KERNELS", bool, False, "Fail (RuntimeError) when a C++ CPU kernel that "

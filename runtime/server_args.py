@@ -111,6 +111,7 @@ class ServerArgs:
     disable_cpu_gemm: bool = _env("disable_cpu_gemm")
     cpu_linear_kernel: str = _env("cpu_linear_kernel")
     cpu_quant_kernel: str = _env("cpu_quant_kernel")
+    cpu_extend_kernel: str = _env("cpu_extend_kernel")
     disable_fused_ops: bool = _env("disable_fused_ops")
     disable_cpu_kernels: bool = _env("disable_cpu_kernels")
     cpu_kernel_isa: str | None = _env("cpu_kernel_isa")

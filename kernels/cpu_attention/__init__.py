@@ -7,9 +7,12 @@ disabled or cannot be built; callers then use the torch code. The module has:
            logit_cap=0.0)
     extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens, qo_indptr, scale,
            window_left=-1, logit_cap=0.0)
-    decode_num_splits(bs, max_seq_len), isa()
+    extend_brgemm(...)      # extend's arguments and result, bf16 only, on the matrix units (extend_brgemm.h)
+    decode_num_splits(bs, max_seq_len), isa(), extend_brgemm_packed()
 
-The same two ops are registered as `torch.ops.radixlm.cpu_paged_decode` / `cpu_paged_extend`
+Which extend kernel a bf16 layer runs is measured, not assumed: runtime/layers/attention/extend_select.py.
+
+The three ops are registered as `torch.ops.radixlm.cpu_paged_decode` / `cpu_paged_extend` / `cpu_paged_extend_brgemm`
 (custom ops that mutate `out`) so a torch.compile'd forward keeps them in one graph.
 
 Both attention ops read K/V in place through `req_to_token[req_pool_indices[b], :seq_lens[b]]`
@@ -43,7 +46,7 @@ def load_cpu_attention(isa: str | None = None):
     Side effects: may compile into the cache folder (tens of seconds) and logs that it does.
     """
     mod = load_extension("cpu_attention", "CPU attention kernels", isa, [_SRC_DIR / "paged_attention.cpp"],
-                         [_SRC_DIR / "paged_attention.h", _SRC_DIR / "simd.h"])
+                         [_SRC_DIR / "paged_attention.h", _SRC_DIR / "extend_brgemm.h", _SRC_DIR / "simd.h"])
     if mod is not None:
         _register_custom_ops(mod)
     return mod
@@ -72,5 +75,13 @@ def _register_custom_ops(mod) -> None:
         _registered[0].extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens,
                               qo_indptr, scale, window_left, logit_cap)
 
+    @torch.library.custom_op("radixlm::cpu_paged_extend_brgemm", mutates_args=("out",), device_types="cpu")
+    def cpu_paged_extend_brgemm(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
+                                req_pool_indices: Tensor, prefix_lens: Tensor, seq_lens: Tensor, qo_indptr: Tensor,
+                                scale: float, window_left: int = -1, logit_cap: float = 0.0) -> None:
+        _registered[0].extend_brgemm(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens,
+                                     qo_indptr, scale, window_left, logit_cap)
+
     cpu_paged_decode.register_fake(lambda *args: None)
     cpu_paged_extend.register_fake(lambda *args: None)
+    cpu_paged_extend_brgemm.register_fake(lambda *args: None)

@@ -1,5 +1,6 @@
-// Python bindings of paged_attention.h (the kernels and their contract are described there).
+// Python bindings of paged_attention.h and extend_brgemm.h (the kernels and their contract are described there).
 #include "paged_attention.h"
+#include "extend_brgemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -11,6 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"),
         py::arg("prefix_lens"), py::arg("seq_lens"), py::arg("qo_indptr"), py::arg("scale"),
         py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
+  m.def("extend_brgemm", &radixlm_attn::extend_brgemm, "extend() with brgemm (matrix units), bf16 only",
+        py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"),
+        py::arg("req_pool_indices"), py::arg("prefix_lens"), py::arg("seq_lens"), py::arg("qo_indptr"),
+        py::arg("scale"), py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
+  m.def("extend_brgemm_packed", &radixlm_attn::extend_brgemm_packed,
+        "whether brgemm runs on VNNI-packed operands (oneDNN ukernel, AMX) rather than its gemm fallback");
   m.def("decode_num_splits", &radixlm_attn::decode_num_splits, "kv splits the decode kernel picks");
   m.def("isa", []() { return std::string(RADIXLM_ISA_NAME); }, "the SIMD path this build uses");
 }

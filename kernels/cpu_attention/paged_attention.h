@@ -473,9 +473,12 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   if (a.S > 1) combine_splits(a, D);
 }
 
-void extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-            const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& seq_lens,
-            const at::Tensor& qo_indptr, double scale, int64_t window_left = -1, double logit_cap = 0.0) {
+namespace {
+// make_args plus extend's own inputs (prefix_lens, qo_indptr), checked against each other.
+Args make_extend_args(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& table, const at::Tensor& rows, const at::Tensor& prefix_lens,
+                      const at::Tensor& seq_lens, const at::Tensor& qo_indptr, double scale, int64_t window_left,
+                      double logit_cap) {
   Args a = make_args(out, q, k, v, table, rows, seq_lens, scale);
   a.window_left = window_left;
   a.logit_cap = static_cast<float>(logit_cap);
@@ -489,6 +492,15 @@ void extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t b = 0; b < a.bs; ++b)
     TORCH_CHECK(a.prefix_lens[b] + a.qo_indptr[b + 1] - a.qo_indptr[b] == a.seq_lens[b],
                 "prefix_len + extend_len must equal seq_len");
+  return a;
+}
+}  // namespace
+
+void extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+            const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& seq_lens,
+            const at::Tensor& qo_indptr, double scale, int64_t window_left = -1, double logit_cap = 0.0) {
+  Args a = make_extend_args(out, q, k, v, table, rows, prefix_lens, seq_lens, qo_indptr, scale, window_left,
+                            logit_cap);
   const int D = static_cast<int>(q.size(2));
   RADIXLM_DISPATCH(k.scalar_type(), extend_kernel, a)
 }

@@ -18,6 +18,7 @@ from ...kernels.cpu_amx import prepare_onednn_isa
 from ...kernels.cpu_build import pick_isa
 from ...kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
 from .. import env
+from ..layers.attention import extend_select
 from ..layers.linear_select import last_selection
 from ..layers.packed_linear import GemmWeight
 from ..layers.quant_linear import QuantWeight
@@ -52,6 +53,7 @@ def fast_paths(runner: Any) -> dict[str, str]:
                 f"{isa} ({'forced by --cpu-kernel-isa' if forced else 'the best this CPU runs'})" if isa else
                 "none (this CPU has no AVX2+FMA or AVX512)"),
         "attention kernels": _attention(runner),
+        "extend attention": _extend_kernel(runner),
         "fused ops": "on (RMSNorm, SiLU-and-mul, rotary in C++)" if cpu_ops.enabled()
                      else f"off ({_off_reason(env.DISABLE_FUSED_OPS)})",
         "CPU gemm": _gemm(),
@@ -71,6 +73,18 @@ def _attention(runner: Any) -> str:
     if runner.server_args.attention_backend != "torch_native":
         return f"off (--attention-backend {runner.server_args.attention_backend})"
     return f"off ({_off_reason(None)}); the torch gather + SDPA code runs"
+
+
+def _extend_kernel(runner: Any) -> str:
+    """Which C++ kernel runs extend (prefill) attention (--cpu-extend-kernel), and why."""
+    backend = runner.attn_backend
+    if getattr(backend, "kernels", None) is None:
+        return "none (no C++ attention kernels, see above)"
+    choice = extend_select.last_choice()
+    if runner.dtype != torch.bfloat16 or choice is None:
+        return f"simd (AVX512/AVX2; the brgemm kernel takes bf16 only, this model runs {runner.dtype})"
+    packed = "AMX tiles" if backend.kernels.extend_brgemm_packed() else "no AMX: brgemm's plain gemm"
+    return f"{choice.summary()}; brgemm: torch's cpublas micro-kernel ({packed})"
 
 
 def _gemm() -> str:

@@ -2,6 +2,9 @@
 
 On CPU, when the C++ kernels in `radixlm.kernels.cpu_attention` load (the default), both decode
 and extend run them: they read K/V in place through `req_to_token`, with no gather or padded copy.
+A bf16 extend runs either the AVX512/AVX2 kernel or the brgemm one (matrix units), whichever
+extend_select.py measured faster for the head shape (at backend creation when the shape is given,
+else at the first extend).
 `RADIXLM_DISABLE_CPU_KERNELS=1`, a non-CPU device, or an unsupported shape/dtype selects the torch
 code below, which stays the reference the kernels are tested against.
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 from ....kernels.cpu_attention import load_cpu_attention
 from ...model_executor.forward_batch import ForwardBatch
+from . import extend_select
 from .base import AttentionBackend, RadixAttention, register_backend
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -65,10 +69,16 @@ class _KernelMeta:
 
 @register_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, device: str | torch.device = "cpu", use_kernels: bool = True, **_: object):
-        """Builds/loads the CPU kernels when on CPU (may compile on first use, see cpu_attention)."""
+    def __init__(self, device: str | torch.device = "cpu", use_kernels: bool = True, num_heads: int | None = None,
+                 num_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None,
+                 **_: object):
+        """Builds/loads the CPU kernels when on CPU (may compile on first use, see cpu_attention). Given a
+        bf16 model's head shape, also picks its extend kernel now (may time both, about a second)."""
         on_cpu = torch.device(device).type == "cpu"
         self.kernels = load_cpu_attention() if (use_kernels and on_cpu) else None
+        if (self.kernels is not None and num_heads and num_kv_heads and head_dim and dtype is not None
+                and extend_select.brgemm_takes(dtype, dtype, head_dim)):
+            extend_select.choose(self.kernels, num_heads, num_kv_heads, head_dim)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if self.kernels is not None and fb.input_ids.device.type == "cpu":
@@ -160,7 +170,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0,
                layer.sliding_window_size, layer.logit_cap)
         else:
-            fn = ops.cpu_paged_extend if ops else self.kernels.extend
+            if (extend_select.brgemm_takes(q.dtype, k_buf.dtype, layer.head_dim)
+                    and extend_select.use_brgemm(self.kernels, layer, q.shape[0], len(meta.seq_lens))):
+                fn = ops.cpu_paged_extend_brgemm if ops else self.kernels.extend_brgemm
+            else:
+                fn = ops.cpu_paged_extend if ops else self.kernels.extend
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens, meta.seq_lens,
                meta.qo_indptr, layer.scaling, layer.sliding_window_size, layer.logit_cap)
         return out

@@ -1,0 +1,149 @@
+"""Which C++ kernel runs a bf16 CPU extend (prefill) attention, chosen by timing on this CPU once.
+
+    choose(kernels, num_heads, num_kv_heads, head_dim)  # "brgemm" | "simd"; times the shape on first call
+    use_brgemm(kernels, layer, num_tokens, bs)          # for one extend call
+    last_choice()                                       # what the last choose() decided (the startup block)
+
+Candidates: **simd** (paged_attention.h `extend`: AVX512/AVX2 FMAs; the only kernel for fp32 q/KV
+and for decode) and **brgemm** (extend_brgemm.h: flash attention whose Q.K^T and P.V run in torch's
+`cpublas::brgemm`, oneDNN's micro-kernel, on AMX tiles where the CPU has them). On an AMX Xeon
+brgemm is 3-4x faster; on a CPU without AMX the simd kernel may win, hence the timing, not the ISA
+flags. `--cpu-extend-kernel` / RADIXLM_CPU_EXTEND_KERNEL: `auto` measures; `brgemm` or `simd`
+forces one for every bf16 extend.
+
+Measuring: per head shape (heads, kv heads, head_dim), one request of TIME_EXTEND new tokens over
+TIME_PREFIX cached ones (page size 1, slots shuffled), both kernels round-robin through
+linear_select.time_passes (passes while another process took the CPU do not count; with no quiet
+pass the CPU time per thread ranks them, kept for this process in linear_select.NOISY, not written).
+The winner (ties within TIE go to simd) runs every extend batch with at least MIN_ROWS new tokens per
+request on average; smaller ones (decodes in a mixed batch, short follow-ups) stay on simd, which
+pads nothing (brgemm pads each head's rows into 32-key tiles: on an AMX Xeon it loses below ~8
+rows per request and wins 1.3-1.8x at 16). Times are cached in linear_select's JSON file, keyed
+by environment_key() (CPU model + flags, torch, threads, oneDNN cap), the cpu_attention sources'
+hash and the head shape, so later starts on the same kind of machine time nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ....kernels import cpu_attention
+from ... import env
+from ..linear_select import NOISY, cache_file, environment_key, load_cache, save_cache, sources_hash, time_passes
+from .base import RadixAttention
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("simd", "brgemm")          # also the order ties go to
+TIME_PREFIX = 512
+TIME_EXTEND = 512
+MIN_ROWS = 16                         # mean new tokens per request from which the winner runs
+TIE = 0.03
+PASSES = 3
+MAX_PASSES = 12
+MEASURE_BUDGET_S = 10.0
+
+
+@dataclass
+class Choice:
+    """What choose() decided for one head shape, and why (µs per timed call; empty when forced)."""
+
+    kernel: str
+    shape: str                        # "9/3x64": heads / kv heads x head_dim
+    how: str                          # "forced", "measured", "measured (CPU busy)", "cached"
+    times: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if self.how == "forced":
+            return f"{self.kernel} (forced by --cpu-extend-kernel {self.kernel})"
+        t = ", ".join(f"{k} {v / 1000:.1f} ms" for k, v in self.times.items())
+        return (f"{self.kernel} from {MIN_ROWS} new tokens per request, simd below (auto, {self.how}: "
+                f"{TIME_EXTEND} new over {TIME_PREFIX} cached, heads {self.shape}: {t})")
+
+
+_choices: dict[tuple[int, int, int], Choice] = {}
+_last: Choice | None = None
+
+
+def last_choice() -> Choice | None:
+    return _last
+
+
+def machine_key() -> str:
+    src = sources_hash(Path(cpu_attention.__file__).parent, "*.[ch]*")
+    return f"attn_extend|{environment_key()}|cpu_attention={src}"
+
+
+def _timing_inputs(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple:
+    """The arguments after `out` of one extend call: TIME_EXTEND new tokens over TIME_PREFIX cached."""
+    gen = torch.Generator().manual_seed(0)
+    seq = TIME_PREFIX + TIME_EXTEND
+    k_buf = (torch.randn(seq, num_kv_heads, head_dim, generator=gen) * 0.5).bfloat16()
+    v_buf = torch.randn(seq, num_kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.randperm(seq, generator=gen).to(torch.int32).view(1, seq)
+    q = torch.randn(TIME_EXTEND, num_heads, head_dim, generator=gen).bfloat16()
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return (q, k_buf, v_buf, table, i64(0), i64(TIME_PREFIX), i64(seq), i64(0, TIME_EXTEND), head_dim ** -0.5)
+
+
+def measure(kernels, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[dict[str, float], bool]:
+    """({kernel: µs per call}, quiet) for one extend of this head shape (module docstring)."""
+    args = _timing_inputs(num_heads, num_kv_heads, head_dim)
+    out = torch.empty_like(args[0])
+    calls = {"simd": lambda: kernels.extend(out, *args), "brgemm": lambda: kernels.extend_brgemm(out, *args)}
+    t = time_passes(calls, 1, PASSES, MAX_PASSES, time.perf_counter() + MEASURE_BUDGET_S)
+    if min(p.clean for p in t.values()) == 0:     # a neighbour took the CPU throughout: CPU time ranks better
+        return {k: round(p.cpu_us, 1) for k, p in t.items()}, False
+    return {k: round(p.clean_us, 1) for k, p in t.items()}, True
+
+
+def pick(times: dict[str, float]) -> str:
+    best = min(times.values())
+    return next(k for k in KERNELS if times[k] <= best * (1 + TIE))
+
+
+def choose(kernels, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """The extend kernel for bf16 layers of this head shape. Side effects (auto mode, first call per
+    shape in this process): times both kernels unless the cache file has them (about a second),
+    writes quiet times there, logs the choice."""
+    global _last
+    shape = (num_heads, num_kv_heads, head_dim)
+    mode = env.CPU_EXTEND_KERNEL.get()
+    if mode != "auto":
+        _last = Choice(mode, f"{num_heads}/{num_kv_heads}x{head_dim}", "forced")
+        return mode
+    if shape not in _choices:
+        key = f"{machine_key()}|heads={num_heads}/{num_kv_heads}|d={head_dim}|bf16|{TIME_EXTEND}+{TIME_PREFIX}"
+        times, how = load_cache(cache_file()).get(key) or NOISY.get(key), "cached"
+        if not times or set(times) != set(KERNELS):
+            times, quiet = measure(kernels, *shape)
+            how = "measured" if quiet else "measured while the CPU was busy, not cached"
+            if quiet:
+                save_cache(cache_file(), {key: times})
+            else:
+                NOISY[key] = times
+        _choices[shape] = Choice(pick(times), f"{num_heads}/{num_kv_heads}x{head_dim}", how, times)
+        logger.info("CPU extend attention, heads %s: %s", _choices[shape].shape, _choices[shape].summary())
+    _last = _choices[shape]
+    return _last.kernel
+
+
+def use_brgemm(kernels, layer: RadixAttention, num_tokens: int, bs: int) -> bool:
+    """Whether this bf16 extend (num_tokens new tokens over bs requests) runs the brgemm kernel."""
+    mode = env.CPU_EXTEND_KERNEL.get()
+    if mode != "auto":
+        return mode == "brgemm"
+    if num_tokens < MIN_ROWS * bs:
+        return False
+    return choose(kernels, layer.num_heads, layer.num_kv_heads, layer.head_dim) == "brgemm"
+
+
+def brgemm_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the brgemm kernel takes these dtypes and head size."""
+    return q_dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
+
