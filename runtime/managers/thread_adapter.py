@@ -10,6 +10,8 @@ one busy process, against 48 ms with one thread. Waiting passively (OMP_WAIT_POL
 too but costs 50% on a quiet machine (43 ms), so the spinning stays and the thread count adapts: when
 other processes took at least DROP_SHARE of all cores over the last interval, one thread fewer (at
 least one); when they took at most RESTORE_SHARE, back up to the configured count. The log says when.
+A window longer than STALE_S (the scheduler was idle, e.g. while another server ran a benchmark)
+decides nothing: the next one starts fresh.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..layers import neighbour_load
 logger = logging.getLogger(__name__)
 
 INTERVAL_S = 0.5
+STALE_S = 2.0              # a longer gap since the last look (idle scheduler) only restarts the window
 DROP_SHARE = 0.25          # others' share of all cores (a half-busy core out of 2) that costs a thread
 RESTORE_SHARE = 0.10
 
@@ -42,8 +45,9 @@ class ThreadAdapter:
         if now[0] - self._last[0] < INTERVAL_S:
             return
         share = neighbour_load.others_share(self._last, now)
+        stale = now[0] - self._last[0] > STALE_S     # the scheduler sat idle: that load is not this step's
         self._last = now
-        if share is None:
+        if share is None or stale:
             return
         if share >= DROP_SHARE and self.threads > 1:
             self._set(self.threads - 1, share)
