@@ -46,7 +46,7 @@ def test_a_window_across_an_idle_gap_decides_nothing(monkeypatch) -> None:
     """Ticks come after steps; after an idle scheduler the window spans whatever else ran meanwhile
     (in a side-by-side benchmark, the other server's whole run) and must not cost this run a thread."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (_ for _ in ()).throw(AssertionError(n)))
-    samples = [(0.0, 0.0, (0.0, 2)), (30.0, 0.1, (50.0, 2)), (30.6, 0.7, (51.25, 2))]
+    samples = [(0.0, 0.0, (0.0, 2)), (30.0, 0.1, (50.0, 2)), (30.6, 0.7, (50.65, 2))]
     adapter = ta.ThreadAdapter(2, scripted(samples))
     adapter.tick()                  # 30 s since the last look, others took 83%: stale, ignored
     adapter.tick()                  # a fresh 0.6 s window: others 0.05 s of 1.2 = 4%, nothing to do
