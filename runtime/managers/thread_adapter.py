@@ -17,6 +17,7 @@ decides nothing: the next one starts fresh.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -31,19 +32,20 @@ RESTORE_SHARE = 0.10
 
 
 class ThreadAdapter:
-    def __init__(self, threads: int, sampler=neighbour_load.sample):
+    """`clock` gates the look at the load (a /proc/stat read), so a step between looks costs one
+    clock read; `sampler` gives (wall s, own CPU s, busy_seconds()) as neighbour_load.sample does."""
+
+    def __init__(self, threads: int, sampler=neighbour_load.sample, clock=time.perf_counter):
         self.max_threads = threads
         self.threads = threads
-        self._sample = sampler
+        self._sample, self._clock = sampler, clock
         self._last = sampler()
 
     def tick(self) -> None:
         """Checks the load once INTERVAL_S has passed since the last check and adapts the thread count."""
-        if self.max_threads < 2:
+        if self.max_threads < 2 or self._clock() - self._last[0] < INTERVAL_S:
             return
         now = self._sample()
-        if now[0] - self._last[0] < INTERVAL_S:
-            return
         share = neighbour_load.others_share(self._last, now)
         stale = now[0] - self._last[0] > STALE_S     # the scheduler sat idle: that load is not this step's
         self._last = now

@@ -9,9 +9,27 @@ import torch
 from radixlm.runtime.managers import thread_adapter as ta
 
 
-def scripted(samples):
-    it = iter(samples)
-    return lambda: next(it)
+class Script:
+    """Scripted load: each tick's clock read moves to the next sample (its wall time); the sampler,
+    the /proc/stat read, returns that sample and is counted in `looks`."""
+
+    def __init__(self, samples):
+        self._it = iter(samples)
+        self._current = next(self._it)
+        self.looks = 0
+
+    def clock(self) -> float:
+        self._current = next(self._it)
+        return self._current[0]
+
+    def sampler(self):
+        self.looks += 1
+        return self._current
+
+
+def adapter_over(threads: int, samples, script: Script | None = None) -> ta.ThreadAdapter:
+    script = script or Script(samples)
+    return ta.ThreadAdapter(threads, script.sampler, script.clock)
 
 
 def test_drops_a_thread_under_a_busy_neighbour_and_restores_when_it_stops(monkeypatch) -> None:
@@ -25,19 +43,21 @@ def test_drops_a_thread_under_a_busy_neighbour_and_restores_when_it_stops(monkey
         (1.8, 2.2, (3.45, 2)),      # others 0.05 s of 1.2 = 4%: back to 2
         (2.4, 2.8, (4.1, 2)),       # quiet at 2 threads: nothing to do
     ]
-    adapter = ta.ThreadAdapter(2, scripted(samples))
+    script = Script(samples)
+    adapter = adapter_over(2, samples, script)
     threads = []
     for _ in samples[1:]:
         adapter.tick()
         threads.append(adapter.threads)
     assert threads == [2, 1, 1, 2, 2] and calls == [1, 2]
+    assert script.looks == 5          # the first sample and 4 looks: the tick under INTERVAL_S read no load
 
 
 def test_one_thread_never_adapts_and_unreadable_load_changes_nothing(monkeypatch) -> None:
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (_ for _ in ()).throw(AssertionError(n)))
-    single = ta.ThreadAdapter(1, scripted([(0.0, 0.0, (0.0, 2)), (1.0, 0.0, (2.0, 2))]))
+    single = adapter_over(1, [(0.0, 0.0, (0.0, 2)), (1.0, 0.0, (2.0, 2))])
     single.tick()
-    blind = ta.ThreadAdapter(2, scripted([(0.0, 0.0, None), (1.0, 0.0, None)]))
+    blind = adapter_over(2, [(0.0, 0.0, None), (1.0, 0.0, None)])
     blind.tick()
     assert single.threads == 1 and blind.threads == 2
 
@@ -47,7 +67,7 @@ def test_a_window_across_an_idle_gap_decides_nothing(monkeypatch) -> None:
     (in a side-by-side benchmark, the other server's whole run) and must not cost this run a thread."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (_ for _ in ()).throw(AssertionError(n)))
     samples = [(0.0, 0.0, (0.0, 2)), (30.0, 0.1, (50.0, 2)), (30.6, 0.7, (50.65, 2))]
-    adapter = ta.ThreadAdapter(2, scripted(samples))
+    adapter = adapter_over(2, samples)
     adapter.tick()                  # 30 s since the last look, others took 83%: stale, ignored
     adapter.tick()                  # a fresh 0.6 s window: others 0.05 s of 1.2 = 4%, nothing to do
     assert adapter.threads == 2
