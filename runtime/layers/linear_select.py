@@ -15,8 +15,9 @@ except for the LM head (it sees one row per request), at PREFILL_ROWS rows, roun
 candidates, the best of a few passes (retried while the CPU is busy). Shapes are timed in order of
 the bytes a step reads from them (count x size: the LM head and the MLP first); timing stops after
 MEASURE_BUDGET_S, and a shape left untimed takes the kernel that won the most timed bytes. A pass
-runs the matmul over enough copies of the weight to exceed twice the last-level cache, so decode is timed reading weights from memory, as in a real
-step. The gemm copies sit in 2 MiB pages, as its arena does.
+runs the matmul over enough copies of the weight to exceed twice the last-level cache, so decode is
+timed reading weights from memory, as in a real step. The gemm copies sit in 2 MiB pages, as its
+arena does.
 
 One layout per weight (two would double the weights' memory): the winner minimises
 0.5 * (geometric mean of its decode slowdowns against each bucket's best) + 0.5 * (its prefill
@@ -62,7 +63,7 @@ DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = 256
 TIE = 0.03
 PASSES = 3                                    # clean timed passes per bucket and candidate (best is kept)
-MAX_PASSES = 8                                # so at most 2 blocks (a retry) per bucket
+MAX_PASSES = 8                                # rounds: at most MAX_PASSES // PASSES = 2 blocks per bucket
 NEIGHBOUR_SHARE = 0.2                         # other processes' share of the cores a quiet block allows
 MIN_BLOCK_S = 0.15                            # /proc/stat counts in 10 ms ticks
 MAX_BLOCK_ROUNDS = 64
@@ -161,8 +162,7 @@ def time_passes(calls: dict[str, Callable[[], None]], per_call: int, passes: int
     one is quiet, max_passes // passes blocks have run, or the deadline has passed."""
     threads = torch.get_num_threads()
     out = {k: PassTimes() for k in calls}
-    rounds = 0
-    for _ in range(max(1, max_passes // passes)):
+    for block_no in range(max(1, max_passes // passes)):
         block = {k: math.inf for k in calls}
         n, start = 0, time.perf_counter()
         with NeighbourLoad() as load:
@@ -171,11 +171,10 @@ def time_passes(calls: dict[str, Callable[[], None]], per_call: int, passes: int
                     c0, t0 = time.process_time(), time.perf_counter()
                     call()
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                    if rounds or n:
+                    if block_no or n:               # not the warm-up round
                         block[k] = min(block[k], wall / per_call * 1e6)
                         out[k].cpu_us = min(out[k].cpu_us, cpu / threads / per_call * 1e6)
                 n += 1
-        rounds += n
         for k, t in out.items():
             t.any_us = min(t.any_us, block[k])
         if load.share is None or load.share <= NEIGHBOUR_SHARE:
@@ -186,6 +185,15 @@ def time_passes(calls: dict[str, Callable[[], None]], per_call: int, passes: int
         if time.perf_counter() > deadline:
             break
     return out
+
+
+def ranked_times(t: dict[str, PassTimes]) -> tuple[dict[str, float], bool]:
+    """({kernel: µs per call}, quiet) from time_passes: the quiet block's best passes, or, when no
+    block was quiet, the best CPU time per thread (beside a busy neighbour it ranks kernels better
+    than wall time). Used by the selectors that time one call per candidate (GGUF, extend attention)."""
+    if min(p.clean for p in t.values()) == 0:
+        return {k: round(p.cpu_us, 1) for k, p in t.items()}, False
+    return {k: round(p.clean_us, 1) for k, p in t.items()}, True
 
 
 def load_cache(path: Path) -> dict[str, Any]:
@@ -290,10 +298,10 @@ def measure(shape: Shape, weight: torch.Tensor, bias: torch.Tensor | None,
             kernels_: list[str], deadline: float = math.inf) -> tuple[dict[str, dict[str, float]], bool]:
     """({rows: {kernel: µs per call}}, quiet) for this weight, timed as the module docstring says.
 
-    Passes count only while other processes left the CPU alone (time_passes); after MAX_PASSES
-    rounds without a quiet block the best of all passes is kept and `quiet` is False (the caller
-    does not cache such times). Past `deadline` (perf_counter) the
-    bucket stops after one timed pass and no further bucket is timed."""
+    Passes count only while other processes left the CPU alone (time_passes); when no block of a
+    bucket was quiet the best of all passes is kept and `quiet` is False (the caller does not cache
+    such times). Past `deadline` (perf_counter) a bucket stops after one block and no further
+    bucket is timed."""
     weight = weight.detach().contiguous()
     copies = _copies_for(weight)
     calls = {k: _make_calls(k, weight, bias, copies) for k in kernels_}

@@ -81,13 +81,11 @@ def candidates(dtype: torch.dtype) -> list[str]:
 
 def _time(calls: dict, rows: int, in_features: int, dtype: torch.dtype, deadline: float) -> tuple[dict, bool]:
     """({kernel: µs per call}, quiet) at `rows` rows of x."""
-    from .linear_select import time_passes
+    from .linear_select import ranked_times, time_passes
 
     x = (torch.randn(rows, in_features) * 0.5).to(dtype)
-    t = time_passes({k: (lambda call=call: call(x)) for k, call in calls.items()}, 1, PASSES, MAX_PASSES, deadline)
-    if min(p.clean for p in t.values()) == 0:   # a neighbour took the CPU throughout: the CPU time per
-        return {k: round(p.cpu_us, 1) for k, p in t.items()}, False     # thread ranks them better than wall
-    return {k: round(p.clean_us, 1) for k, p in t.items()}, True
+    return ranked_times(time_passes({k: (lambda call=call: call(x)) for k, call in calls.items()}, 1, PASSES,
+                                    MAX_PASSES, deadline))
 
 
 def measure(part, in_features: int, dtype: torch.dtype, deadline: float) -> tuple[dict[str, dict[str, float]], bool]:

@@ -34,7 +34,8 @@ import torch
 
 from ....kernels import cpu_attention
 from ... import env
-from ..linear_select import NOISY, cache_file, environment_key, load_cache, save_cache, sources_hash, time_passes
+from ..linear_select import (NOISY, cache_file, environment_key, load_cache, ranked_times, save_cache, sources_hash,
+                             time_passes)
 from .base import RadixAttention
 
 logger = logging.getLogger(__name__)
@@ -96,10 +97,7 @@ def measure(kernels, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[
     args = _timing_inputs(num_heads, num_kv_heads, head_dim)
     out = torch.empty_like(args[0])
     calls = {"simd": lambda: kernels.extend(out, *args), "brgemm": lambda: kernels.extend_brgemm(out, *args)}
-    t = time_passes(calls, 1, PASSES, MAX_PASSES, time.perf_counter() + MEASURE_BUDGET_S)
-    if min(p.clean for p in t.values()) == 0:     # a neighbour took the CPU throughout: CPU time ranks better
-        return {k: round(p.cpu_us, 1) for k, p in t.items()}, False
-    return {k: round(p.clean_us, 1) for k, p in t.items()}, True
+    return ranked_times(time_passes(calls, 1, PASSES, MAX_PASSES, time.perf_counter() + MEASURE_BUDGET_S))
 
 
 def pick(times: dict[str, float]) -> str:
