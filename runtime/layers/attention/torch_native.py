@@ -65,6 +65,7 @@ class _KernelMeta:
     qo_indptr: torch.Tensor         # [bs + 1] start of each request's queries in q (zeros if all_decode)
     all_decode: bool                # every extend_len == 1: the decode kernel applies
     groups: list[_Group] | None = None
+    extend_brgemm: bool | None = None   # this pass's extend kernel, decided at its first layer (one head shape)
 
 
 @register_backend("torch_native")
@@ -170,8 +171,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0,
                layer.sliding_window_size, layer.logit_cap)
         else:
-            if (extend_select.brgemm_takes(q.dtype, k_buf.dtype, layer.head_dim)
-                    and extend_select.use_brgemm(self.kernels, layer, q.shape[0], len(meta.seq_lens))):
+            if meta.extend_brgemm is None:
+                meta.extend_brgemm = (extend_select.brgemm_takes(q.dtype, k_buf.dtype, layer.head_dim)
+                                      and extend_select.use_brgemm(self.kernels, layer, q.shape[0], len(meta.seq_lens)))
+            if meta.extend_brgemm:
                 fn = ops.cpu_paged_extend_brgemm if ops else self.kernels.extend_brgemm
             else:
                 fn = ops.cpu_paged_extend if ops else self.kernels.extend
