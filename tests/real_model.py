@@ -78,23 +78,6 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 
 
-@functools.cache
-def hf_greedy_chat(max_new_tokens: int, dtype: str = "float32") -> tuple[tuple[int, ...], ...]:
-    """HF greedy tokens (ending at eos or `max_new_tokens`) for every CHAT_PROMPTS entry."""
-    import torch
-
-    model, tokenizer = hf_reference(dtype)
-    out = []
-    for prompt in CHAT_PROMPTS:
-        ids = chat_ids(tokenizer, prompt)
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-        out.append(tuple(gen[0, len(ids):].tolist()))
-    return tuple(out)
-
-
 def hf_greedy_mismatch(prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int) -> str | None:
     """None when every output is HF fp32's greedy continuation of its prompt, else what differs.
 
