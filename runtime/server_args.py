@@ -73,10 +73,11 @@ class ServerArgs:
     # --- scheduling
     chunked_prefill_size: int | None = _f(None, "Max prompt tokens prefilled for one request per step "
                                           "(-1: off; default: 8192 on CUDA, 2048 on CPU).")
-    max_prefill_tokens: int | None = _f(None, "Max new prompt tokens in one step's batch, which also carries "
-                                        "the running requests' decode tokens (default: 16384 on CUDA, 2048 "
-                                        "on CPU, where a 16k-token step takes seconds and holds back every "
-                                        "first token and every decode token until it ends).")
+    max_prefill_tokens: int | None = _f(None, "Max tokens in one step's batch: new prompt tokens plus the running "
+                                        "requests' decode tokens, with at least a quarter left to prompts "
+                                        "(default: 16384 on CUDA, 2048 on CPU, where a 16k-token step takes "
+                                        "seconds and holds back every first token and every decode token "
+                                        "until it ends).")
     schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _f(1.0, "Scales the reserved decode-growth estimate (higher is safer).")
     disable_radix_cache: bool = _f(False, "Turn off prefix caching (ChunkCache).")

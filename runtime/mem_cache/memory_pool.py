@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..utils import align_up, ceil_div
-from .huge_pages import huge_page_empty
+from .huge_pages import huge_page_empty, prefault
 
 
 def new_slots_needed(prefix_len: int, seq_len: int, page_size: int) -> int:
@@ -156,10 +156,13 @@ class KVCache:
 
     @staticmethod
     def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-        """On CPU in 2 MiB pages (decode attention streams these rows; huge_pages.py says why)."""
+        """On CPU in 2 MiB pages (decode attention streams these rows; huge_pages.py says why), mapped
+        now: a first touch inside a forward pass costs more than the write (huge_pages.prefault)."""
         if torch.device(device).type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
-        return huge_page_empty(math.prod(shape), dtype).view(shape)
+        buf = huge_page_empty(math.prod(shape), dtype)
+        prefault(buf)
+        return buf.view(shape)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -154,8 +155,12 @@ class ModelRunner:
         self.max_total_tokens = self.num_pages * self.page_size
         self.max_running_requests = args.max_running_requests or min(
             MAX_RUNNING_CAP, max(self.max_total_tokens // 8, 4))
+        start = time.perf_counter()
         self.kv_cache = KVCache(self.num_pages, self.page_size, cfg.num_layers, self.num_local_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
+        logger.info("KV cache: %d tokens, %.2f GiB%s", self.max_total_tokens,
+                    self.max_total_tokens * self.kv_bytes_per_token / 2**30,
+                    f", mapped in {time.perf_counter() - start:.1f} s" if self.device.type == "cpu" else "")
 
     def _profile_kv_tokens(self) -> int:
         """Default pool size: what memory allows, and no more than the model can use at once:

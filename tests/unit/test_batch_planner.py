@@ -64,6 +64,27 @@ def test_max_prefill_tokens_bounds_one_step() -> None:
     loop.run()
 
 
+def test_decode_tokens_count_against_max_prefill_tokens() -> None:
+    """A step is at most --max-prefill-tokens rows, decodes included; prompts keep a quarter of it."""
+    loop = FakeLoop(make_kv(1024, max_running=16), max_running=16, max_prefill_tokens=40, chunked_prefill_size=-1)
+    loop.submit(*[make_req(f"d{i}", [30 + i] * 4, max_new_tokens=20) for i in range(6)])
+    loop.step()                                             # 24 prompt tokens: all six admitted
+    loop.submit(make_req("long", list(range(3, 60)), max_new_tokens=2))
+    batch = loop.step()
+    assert batch.extend_lens == [1] * 6 + [34]              # 40 rows in all
+    loop.submit(*[make_req(f"e{i}", [50 + i] * 4, max_new_tokens=20) for i in range(8)])
+    loop.run()
+    loop2 = FakeLoop(make_kv(8192, max_running=64), max_running=64, max_prefill_tokens=40, chunked_prefill_size=-1)
+    loop2.submit(*[make_req(f"d{i}", [30 + i] * 2, max_new_tokens=50) for i in range(36)])
+    while loop2.waiting:
+        loop2.step()
+    assert len(loop2.running) == 36                         # 36 decodes running
+    loop2.submit(make_req("late", list(range(3, 40)), max_new_tokens=2))
+    batch = loop2.step()
+    assert batch.extend_lens[-1] == 10                      # a quarter of 40, not 40 - 36
+    loop2.run()
+
+
 def test_total_token_budget_holds_back_requests_until_memory_frees() -> None:
     kv = make_kv(64)
     loop = FakeLoop(kv)

@@ -159,12 +159,34 @@ def test_busy_timing_is_not_cached(fresh_selection, monkeypatch):
     assert "busy" in extend_select.last_choice().summary()
 
 
-def test_small_extends_stay_on_simd_in_auto(fresh_selection, monkeypatch):
+def test_runs_cut_a_mixed_batch_by_kind(fresh_selection, monkeypatch):
     fake_times(monkeypatch, {"simd": 900.0, "brgemm": 300.0})
+    m = extend_select.MIN_ROWS
+    assert extend_select.runs([1, 1, 1, m - 1, 4, m, 300, 1]) == [(0, 3, "decode"), (3, 5, "short"), (5, 7, "long"),
+                                                                   (7, 8, "decode")]
     layer = RadixAttention(0, 9, 3, 64, 0.125)
-    bs = 4
-    assert extend_select.use_brgemm(KERNELS, layer, extend_select.MIN_ROWS * bs, bs)
-    assert not extend_select.use_brgemm(KERNELS, layer, extend_select.MIN_ROWS * bs - 1, bs)
+    bf16 = (torch.bfloat16, torch.bfloat16)
+    assert [extend_select.kernel_for(KERNELS, layer, k, *bf16) for k in ("decode", "short", "long")] == [
+        "decode", "simd", "brgemm"]
+    assert extend_select.kernel_for(KERNELS, layer, "long", torch.float32, torch.float32) == "simd"
+    monkeypatch.setenv("RADIXLM_CPU_EXTEND_KERNEL", "simd")
+    assert extend_select.runs([1, 300]) == [(0, 2, "any")]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("winner", ["brgemm", "simd"])
+def test_mixed_batch_runs_one_kernel_per_run(fresh_selection, monkeypatch, page_size, winner):
+    """auto mode on a mixed batch (decodes first, as the planner builds it, then a short and long
+    extends; and an interleaved one): one call per run, each run's kernel, output as the reference."""
+    fake_times(monkeypatch, {"simd": 900.0, "brgemm": 300.0} if winner == "brgemm" else {"simd": 1.0, "brgemm": 9.0})
+    layer = RadixAttention(0, 8, 2, 64, 0.125)
+    long = "extend_brgemm" if winner == "brgemm" else "extend"
+    for lens, calls in [([(40, 41), (7, 8), (99, 100), (10, 14), (0, 200), (64, 130)], ["decode", "extend", long]),
+                        (EXTEND_LENS, ["extend", long, "decode", long, "decode", long, "decode"])]:
+        fb, q = make_batch(lens, page_size, 8, 2, 64, torch.bfloat16, seed=7, mode=ForwardMode.EXTEND)
+        backend, spy = spied_backend()
+        check(fb, q, layer, run(fb, q, layer, backend))
+        assert spy.calls == calls
 
 
 @pytest.mark.parametrize("kernel", ["brgemm", "simd"])
@@ -172,7 +194,7 @@ def test_forced_kernel_is_used_without_timing(fresh_selection, monkeypatch, kern
     monkeypatch.setenv("RADIXLM_CPU_EXTEND_KERNEL", kernel)
     calls = fake_times(monkeypatch, {"simd": 1.0, "brgemm": 2.0})
     layer = RadixAttention(0, 9, 3, 64, 0.125)
-    assert extend_select.use_brgemm(KERNELS, layer, 1, 1) == (kernel == "brgemm")
+    assert extend_select.kernel_for(KERNELS, layer, "any", torch.bfloat16, torch.bfloat16) == kernel
     assert extend_select.choose(KERNELS, 9, 3, 64) == kernel and calls == []
     assert extend_select.last_choice().summary() == f"{kernel} (forced by --cpu-extend-kernel {kernel})"
     # through the backend: a bf16 extend runs the forced kernel

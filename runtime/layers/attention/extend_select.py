@@ -1,7 +1,8 @@
 """Which C++ kernel runs a bf16 CPU extend (prefill) attention, chosen by timing on this CPU once.
 
     choose(kernels, num_heads, num_kv_heads, head_dim)  # "brgemm" | "simd"; times the shape on first call
-    use_brgemm(kernels, layer, num_tokens, bs)          # for one extend call
+    runs(extend_lens)                                   # a batch cut into runs of like requests
+    kernel_for(kernels, layer, run, q_dtype, kv_dtype)  # "decode" | "simd" | "brgemm" for one run
     last_choice()                                       # what the last choose() decided (the startup block)
 
 Candidates: **simd** (paged_attention.h `extend`: AVX512/AVX2 FMAs; the only kernel for fp32 q/KV
@@ -15,10 +16,13 @@ Measuring: per head shape (heads, kv heads, head_dim), one request of TIME_EXTEN
 TIME_PREFIX cached ones (page size 1, slots shuffled), both kernels round-robin through
 linear_select.time_passes (passes while another process took the CPU do not count; with no quiet
 pass the CPU time per thread ranks them, kept for this process in linear_select.NOISY, not written).
-The winner (ties within TIE go to simd) runs every extend batch with at least MIN_ROWS new tokens per
-request on average; smaller ones (decodes in a mixed batch, short follow-ups) stay on simd, which
-pads nothing (brgemm pads each head's rows into 32-key tiles: on an AMX Xeon it loses below ~8
-rows per request and wins 1.3-1.8x at 16). Times are cached in linear_select's JSON file, keyed
+The winner (ties within TIE go to simd) runs every request with at least MIN_ROWS new tokens;
+shorter ones (speculative verifies, short follow-ups) stay on simd, which pads nothing (brgemm pads
+each head's rows into 32-key tiles: on an AMX Xeon it loses below ~8 rows per request and wins
+1.3-1.8x at 16), and the decodes of a mixed batch (one new token each) run the decode kernel. A
+mixed batch is cut into runs of consecutive requests of one kind (`runs`; the planner puts decodes
+first, then prefills), one kernel call per run, so a 320-token prompt admitted beside 63 decodes
+still runs brgemm. Times are cached in linear_select's JSON file, keyed
 by environment_key() (CPU model + flags, torch, threads, oneDNN cap), the cpu_attention sources'
 hash and the head shape, so later starts on the same kind of machine time nothing.
 """
@@ -131,14 +135,33 @@ def choose(kernels, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
     return _last.kernel
 
 
-def use_brgemm(kernels, layer: RadixAttention, num_tokens: int, bs: int) -> bool:
-    """Whether this bf16 extend (num_tokens new tokens over bs requests) runs the brgemm kernel."""
+def runs(extend_lens: list[int]) -> list[tuple[int, int, str]]:
+    """(b0, b1, kind) for runs of consecutive requests of one kind: "decode" (1 new token), "short"
+    (fewer than MIN_ROWS) or "long"; one run of kind "any" for the whole batch when a kernel is forced."""
+    if env.CPU_EXTEND_KERNEL.get() != "auto":
+        return [(0, len(extend_lens), "any")]
+    out: list[tuple[int, int, str]] = []
+    for b, n in enumerate(extend_lens):
+        kind = "decode" if n == 1 else "short" if n < MIN_ROWS else "long"
+        if out and out[-1][2] == kind:
+            out[-1] = (out[-1][0], b + 1, kind)
+        else:
+            out.append((b, b + 1, kind))
+    return out
+
+
+def kernel_for(kernels, layer: RadixAttention, kind: str, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """The kernel ("decode", "simd" or "brgemm") for one run of `runs`."""
+    if kind == "decode":
+        return "decode"
+    if not brgemm_takes(q_dtype, kv_dtype, layer.head_dim):
+        return "simd"
     mode = env.CPU_EXTEND_KERNEL.get()
     if mode != "auto":
-        return mode == "brgemm"
-    if num_tokens < MIN_ROWS * bs:
-        return False
-    return choose(kernels, layer.num_heads, layer.num_kv_heads, layer.head_dim) == "brgemm"
+        return mode
+    if kind == "short":
+        return "simd"
+    return choose(kernels, layer.num_heads, layer.num_kv_heads, layer.head_dim)
 
 
 def brgemm_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:

@@ -4,7 +4,8 @@ On CPU, when the C++ kernels in `radixlm.kernels.cpu_attention` load (the defaul
 and extend run them: they read K/V in place through `req_to_token`, with no gather or padded copy.
 A bf16 extend runs either the AVX512/AVX2 kernel or the brgemm one (matrix units), whichever
 extend_select.py measured faster for the head shape (at backend creation when the shape is given,
-else at the first extend).
+else at the first extend); a mixed batch runs one kernel per run of like requests (its decodes on
+the decode kernel, see extend_select.runs).
 `RADIXLM_DISABLE_CPU_KERNELS=1`, a non-CPU device, or an unsupported shape/dtype selects the torch
 code below, which stays the reference the kernels are tested against.
 
@@ -22,7 +23,7 @@ the group's mask, built once per pass per window).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +65,21 @@ class _KernelMeta:
     prefix_lens: torch.Tensor       # [bs]
     qo_indptr: torch.Tensor         # [bs + 1] start of each request's queries in q (zeros if all_decode)
     all_decode: bool                # every extend_len == 1: the decode kernel applies
+    runs: list[_Run] = field(default_factory=list)   # an extend pass cut by extend_select.runs
     groups: list[_Group] | None = None
-    extend_brgemm: bool | None = None   # this pass's extend kernel, decided at its first layer (one head shape)
+
+
+@dataclass
+class _Run:
+    """Requests [b0, b1) of an extend pass, whose queries are q[q0:q1], run by one kernel call."""
+    kind: str                       # extend_select.runs' kind
+    q0: int
+    q1: int
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    qo_indptr: torch.Tensor         # from 0 at q0
+    kernel: str | None = None       # "decode" | "simd" | "brgemm", decided at the pass's first layer
 
 
 @register_backend("torch_native")
@@ -95,9 +109,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         ext = seq_lens - prefix_lens
         all_decode = fb.forward_mode.is_decode or bool((ext == 1).all())
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        meta = _KernelMeta(i64(fb.req_pool_indices), seq_lens, prefix_lens, qo_indptr, all_decode)
         if not all_decode:
             torch.cumsum(ext, 0, out=qo_indptr[1:])
-        return _KernelMeta(i64(fb.req_pool_indices), seq_lens, prefix_lens, qo_indptr, all_decode)
+            starts = [0]
+            for n in fb.extend_lens_cpu:
+                starts.append(starts[-1] + n)
+            for b0, b1, kind in extend_select.runs(fb.extend_lens_cpu):
+                meta.runs.append(_Run(kind, starts[b0], starts[b1], meta.req_pool_indices[b0:b1],
+                                      seq_lens[b0:b1], prefix_lens[b0:b1], qo_indptr[b0:b1 + 1] - starts[b0]))
+        return meta
 
     def _build_groups(self, fb: ForwardBatch) -> list[_Group]:
         ext = fb.extend_lens_cpu
@@ -162,25 +183,34 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _attend_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, meta: _KernelMeta) -> torch.Tensor:
         """In-place paged attention (C++). Reads K/V through req_to_token; writes a new output."""
-        out = torch.empty(q.shape, dtype=q.dtype)
         table = fb.req_to_token_pool.req_to_token
         # under torch.compile the registered custom ops keep the graph whole; eager calls skip the dispatcher
         ops = torch.ops.radixlm if torch.compiler.is_compiling() else None
         if meta.all_decode:
+            out = torch.empty(q.shape, dtype=q.dtype)
             fn = ops.cpu_paged_decode if ops else self.kernels.decode
             fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0,
                layer.sliding_window_size, layer.logit_cap)
-        else:
-            if meta.extend_brgemm is None:
-                meta.extend_brgemm = (extend_select.brgemm_takes(q.dtype, k_buf.dtype, layer.head_dim)
-                                      and extend_select.use_brgemm(self.kernels, layer, q.shape[0], len(meta.seq_lens)))
-            if meta.extend_brgemm:
-                fn = ops.cpu_paged_extend_brgemm if ops else self.kernels.extend_brgemm
+            return out
+        parts = []
+        for run in meta.runs:
+            if run.kernel is None:        # one head shape per pass: the first layer decides for all
+                run.kernel = extend_select.kernel_for(self.kernels, layer, run.kind, q.dtype, k_buf.dtype)
+            q_run = q[run.q0:run.q1]
+            o = torch.empty(q_run.shape, dtype=q.dtype)
+            if run.kernel == "decode":
+                fn = ops.cpu_paged_decode if ops else self.kernels.decode
+                fn(o, q_run, k_buf, v_buf, table, run.req_pool_indices, run.seq_lens, layer.scaling, 0,
+                   layer.sliding_window_size, layer.logit_cap)
             else:
-                fn = ops.cpu_paged_extend if ops else self.kernels.extend
-            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.prefix_lens, meta.seq_lens,
-               meta.qo_indptr, layer.scaling, layer.sliding_window_size, layer.logit_cap)
-        return out
+                if run.kernel == "brgemm":
+                    fn = ops.cpu_paged_extend_brgemm if ops else self.kernels.extend_brgemm
+                else:
+                    fn = ops.cpu_paged_extend if ops else self.kernels.extend
+                fn(o, q_run, k_buf, v_buf, table, run.req_pool_indices, run.prefix_lens, run.seq_lens,
+                   run.qo_indptr, layer.scaling, layer.sliding_window_size, layer.logit_cap)
+            parts.append(o)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _attend_torch(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention,
                       groups: list[_Group]) -> torch.Tensor:
