@@ -82,8 +82,12 @@ def _typed(extra: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in extra.items():
         default = ServerArgs.__dataclass_fields__[name].default
-        out[name] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else (
-            type(default)(value) if default is not None else value)
+        if isinstance(default, bool):
+            out[name] = value.lower() in ("1", "true", "yes")
+        elif default is not None:
+            out[name] = type(default)(value)
+        else:                                   # an optional field (None until resolved): a number if it reads as one
+            out[name] = int(value) if value.lstrip("-").isdigit() else value
     return out
 
 

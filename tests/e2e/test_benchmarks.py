@@ -156,3 +156,15 @@ def test_profile_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     read_result(tmp_path, "profile_step_bs3")
     assert result["steps"] == 2 and result["phase_ms_mean"]["model forward"] > 0
     assert 0.0 <= result["outside_model_forward_fraction"] <= 1.0
+
+
+def test_profile_wave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXLM_BENCH_MODELS", str(tmp_path / "models"))
+    bench = load_bench("profile_wave")
+    result = bench.main(["--model-size", "tiny", "--dtype", "float32", "--num-prompts", "5", "--input-len", "8", "20",
+                         "--output-len", "3", "--max-total-tokens", "1024", "--server-arg", "max_prefill_tokens=32",
+                         "--output-dir", str(tmp_path)])
+    read_result(tmp_path, "profile_wave_n5")
+    assert result["prefill_tokens"] >= 5 * 8 and result["prefill_steps"] >= 2      # 32-token steps: chunked
+    assert all(s["prefill"] + s["decodes"] <= 32 for s in result["first_steps"])   # decodes count in the budget
+    assert 0 < result["first_token_p50_s"] <= result["first_token_max_s"] <= result["total_s"]
