@@ -175,23 +175,32 @@ def table_of(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="profile_step.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="model folder (default: made with --model-size)")
-    p.add_argument("--model-size", choices=sorted(common.MODEL_SHAPES), default="tiny",
-                   help="random Qwen2-shaped model when no --model-path (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p = scheduler_arg_parser("profile_step.py", __doc__, max_total_tokens=65536)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20, help="timed decode steps (default: %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--max-total-tokens", type=int, default=65536)
-    p.add_argument("--server-arg", action="append", default=[], metavar="NAME=VALUE",
-                   help="a ServerArgs field, e.g. page_size=16 (repeatable)")
     p.add_argument("--torch-profile-rows", type=int, default=0,
                    help="print this many top ops of one more step from torch.profiler (default: off)")
     p.add_argument("--seed", type=int, default=0)
+    return parse_scheduler_args(p, argv)
+
+
+def scheduler_arg_parser(prog: str, doc: str | None, max_total_tokens: int) -> argparse.ArgumentParser:
+    """The options of an in-process Scheduler (make_scheduler), shared by the profilers."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", help="model folder (default: made with --model-size)")
+    p.add_argument("--model-size", choices=sorted(common.MODEL_SHAPES), default="tiny",
+                   help="random Qwen2-shaped model when no --model-path (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--max-total-tokens", type=int, default=max_total_tokens)
+    p.add_argument("--server-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a ServerArgs field, e.g. page_size=16 (repeatable)")
     common.add_output_dir_arg(p)
+    return p
+
+
+def parse_scheduler_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model_path is None:
         args.model_path = str(common.make_qwen2_model(args.model_size))

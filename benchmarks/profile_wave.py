@@ -28,7 +28,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from profile_step import PhaseTimer, instrument, make_scheduler  # noqa: E402
+from profile_step import (PhaseTimer, instrument, make_scheduler, parse_scheduler_args,  # noqa: E402
+                          scheduler_arg_parser)
 
 NAME = "profile_wave"
 
@@ -105,25 +106,13 @@ def table_of(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="profile_wave.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="model folder (default: made with --model-size)")
-    p.add_argument("--model-size", choices=sorted(common.MODEL_SHAPES), default="tiny",
-                   help="random Qwen2-shaped model when no --model-path (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p = scheduler_arg_parser("profile_wave.py", __doc__, max_total_tokens=131072)
     p.add_argument("--num-prompts", type=int, default=64, help="requests in the burst (default: %(default)s)")
     p.add_argument("--input-len", type=int, nargs="+", default=[128, 512],
                    help="prompt tokens, MIN [MAX], uniform (default: 128 512, as bench_serving's runs)")
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-total-tokens", type=int, default=131072)
-    p.add_argument("--server-arg", action="append", default=[], metavar="NAME=VALUE",
-                   help="a ServerArgs field, e.g. max_prefill_tokens=4096 (repeatable)")
     p.add_argument("--seed", type=int, default=7)
-    common.add_output_dir_arg(p)
-    args = p.parse_args(argv)
-    if args.model_path is None:
-        args.model_path = str(common.make_qwen2_model(args.model_size))
-    return args
+    return parse_scheduler_args(p, argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

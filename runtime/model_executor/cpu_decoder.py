@@ -72,9 +72,9 @@ class CpuDecoder:
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [bs, hidden] for a DECODE batch; writes every layer's K/V at fb.out_cache_loc."""
-        meta = fb.attn_metadata          # the torch_native backend's kernel metadata (int64, contiguous)
+        run = fb.attn_metadata.runs[0]   # torch_native's kernel metadata: a decode pass is one run (int64)
         return self.impl.forward(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
-                                 fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens)
+                                 fb.req_to_token_pool.req_to_token, run.req_pool_indices, run.seq_lens)
 
 
 DENSE, GEMM, ONEDNN = 0, 1, 2       # the weight layouts decoder.cpp takes (packed_linear.py makes them)

@@ -158,9 +158,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.kv_cache = KVCache(self.num_pages, self.page_size, cfg.num_layers, self.num_local_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
-        logger.info("KV cache: %d tokens, %.2f GiB%s", self.max_total_tokens,
-                    self.max_total_tokens * self.kv_bytes_per_token / 2**30,
-                    f", mapped in {time.perf_counter() - start:.1f} s" if self.device.type == "cpu" else "")
+        if self.device.type == "cpu":     # its size is in the server's "KV cache:" line
+            logger.info("KV cache mapped in %.1f s (every page touched now, not in a forward pass)",
+                        time.perf_counter() - start)
 
     def _profile_kv_tokens(self) -> int:
         """Default pool size: what memory allows, and no more than the model can use at once:

@@ -23,7 +23,8 @@ the group's mask, built once per pass per window).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,28 +59,23 @@ class _Group:
 
 
 @dataclass
-class _KernelMeta:
-    """What the C++ kernels read, all int64 on CPU; `groups` is built only if a layer falls back."""
-    req_pool_indices: torch.Tensor  # [bs]
-    seq_lens: torch.Tensor          # [bs]
-    prefix_lens: torch.Tensor       # [bs]
-    qo_indptr: torch.Tensor         # [bs + 1] start of each request's queries in q (zeros if all_decode)
-    all_decode: bool                # every extend_len == 1: the decode kernel applies
-    runs: list[_Run] = field(default_factory=list)   # an extend pass cut by extend_select.runs
-    groups: list[_Group] | None = None
-
-
-@dataclass
 class _Run:
-    """Requests [b0, b1) of an extend pass, whose queries are q[q0:q1], run by one kernel call."""
-    kind: str                       # extend_select.runs' kind
+    """Requests [b0, b1) of a pass, whose queries are q[q0:q1], run by one kernel call; all int64 on CPU."""
+    kind: str                       # extend_select.runs' kind ("decode" for every request of a decode pass)
     q0: int
     q1: int
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     prefix_lens: torch.Tensor
-    qo_indptr: torch.Tensor         # from 0 at q0
+    qo_indptr: torch.Tensor | None  # from 0 at q0 (None for a decode run)
     kernel: str | None = None       # "decode" | "simd" | "brgemm", decided at the pass's first layer
+
+
+@dataclass
+class _KernelMeta:
+    """What the C++ kernels read: the pass cut into runs; `groups` is built only if a layer falls back."""
+    runs: list[_Run]
+    groups: list[_Group] | None = None
 
 
 @register_backend("torch_native")
@@ -105,26 +101,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _kernel_meta(fb: ForwardBatch) -> _KernelMeta:
         """Cheap per pass: no table reads, no copies beyond dtype/contiguity fixes."""
         i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731
-        seq_lens, prefix_lens = i64(fb.seq_lens), i64(fb.prefix_lens)
-        ext = seq_lens - prefix_lens
-        all_decode = fb.forward_mode.is_decode or bool((ext == 1).all())
-        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int64)
-        meta = _KernelMeta(i64(fb.req_pool_indices), seq_lens, prefix_lens, qo_indptr, all_decode)
-        if not all_decode:
-            torch.cumsum(ext, 0, out=qo_indptr[1:])
-            starts = [0]
-            for n in fb.extend_lens_cpu:
-                starts.append(starts[-1] + n)
-            for b0, b1, kind in extend_select.runs(fb.extend_lens_cpu):
-                meta.runs.append(_Run(kind, starts[b0], starts[b1], meta.req_pool_indices[b0:b1],
-                                      seq_lens[b0:b1], prefix_lens[b0:b1], qo_indptr[b0:b1 + 1] - starts[b0]))
-        return meta
+        rows, seq_lens, prefix_lens = i64(fb.req_pool_indices), i64(fb.seq_lens), i64(fb.prefix_lens)
+        ext = fb.extend_lens_cpu
+        if fb.forward_mode.is_decode or all(n == 1 for n in ext):
+            return _KernelMeta([_Run("decode", 0, len(ext), rows, seq_lens, prefix_lens, None)])
+        starts = list(itertools.accumulate(ext, initial=0))
+        qo_indptr = torch.tensor(starts, dtype=torch.int64)
+        return _KernelMeta([_Run(kind, starts[b0], starts[b1], rows[b0:b1], seq_lens[b0:b1], prefix_lens[b0:b1],
+                                 qo_indptr[b0:b1 + 1] - starts[b0])
+                            for b0, b1, kind in extend_select.runs(ext)])
 
     def _build_groups(self, fb: ForwardBatch) -> list[_Group]:
         ext = fb.extend_lens_cpu
-        starts = [0]
-        for n in ext:
-            starts.append(starts[-1] + n)
+        starts = list(itertools.accumulate(ext, initial=0))
         decode_ids = [i for i, n in enumerate(ext) if n == 1]
         extend_ids = [i for i, n in enumerate(ext) if n != 1]
         return [self._build_group(fb, ids, starts) for ids in (decode_ids, extend_ids) if ids]
@@ -186,12 +175,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         table = fb.req_to_token_pool.req_to_token
         # under torch.compile the registered custom ops keep the graph whole; eager calls skip the dispatcher
         ops = torch.ops.radixlm if torch.compiler.is_compiling() else None
-        if meta.all_decode:
-            out = torch.empty(q.shape, dtype=q.dtype)
-            fn = ops.cpu_paged_decode if ops else self.kernels.decode
-            fn(out, q, k_buf, v_buf, table, meta.req_pool_indices, meta.seq_lens, layer.scaling, 0,
-               layer.sliding_window_size, layer.logit_cap)
-            return out
         parts = []
         for run in meta.runs:
             if run.kernel is None:        # one head shape per pass: the first layer decides for all
