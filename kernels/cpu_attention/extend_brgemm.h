@@ -4,8 +4,9 @@
 // contract: causal over a cached prefix, window_left, logit_cap), bf16 q and K/V only.
 //
 // Work: one task per (request, kv head, block of kRows query rows); the G query heads of the kv head
-// run one after another inside the task, so each key block is gathered and packed once for all of
-// them. Tasks are pulled by the threads from a shared counter, longest first (a causal prefill's
+// are stacked into one [G * nr][D] query block, so each key block is gathered and packed once for
+// all of them and each product is one brgemm call of G * nr rows (fewer, larger calls: AMX tiles
+// are reused over more rows). Tasks are pulled by the threads from a shared counter, longest first (a causal prefill's
 // last query blocks see the most keys).
 //
 // One task, per key block [j0, j0 + n) of its visible keys (kKeys at a time, aligned to kKeys):
@@ -13,15 +14,16 @@
 //   vp  [npad/2][Dv][2]  bf16   [V | 1 0 .. 0] of the block, VNNI-packed (pairs of keys adjacent);
 //                               Dv = D + kOnes; column D is all ones, so o's column D sums p (the
 //                               softmax denominator l) in the same products; rows n.. zero
-//   then per query head g:
-//   s   [nr][kKeys] fp32        q.k from brgemm (q read in place, rows kv_head*G + g)
-//   p   [nr][kKeys] bf16        2^(c*s - m) under the mask, 0 past n (online softmax in base 2, fp32)
-//   o_g [nr][Dv]    fp32        o_g * 2^(m_old - m) + p.[V | 1] (brgemm with add_C); out = o / o[:, D]
+//   qs  [G*nr][D]    bf16       the G heads' query rows, copied once per task (row g*nr + r)
+//   s   [G*nr][kKeys] fp32      q.k from one brgemm
+//   p   [G*nr][kKeys] bf16      2^(c*s - m) under the mask, 0 past n and past each row's last
+//                               visible key (no exp there; online softmax in base 2, fp32)
+//   o   [G*nr][Dv]   fp32       o * 2^(m_old - m) + p.[V | 1] (one brgemm with add_C); out = o / o[:, D]
 // npad: n rounded up to kKeyPad (the AMX tile depth for bf16). Without the packed layout
 // (cpublas::could_pack false: no AMX), kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv], and
-// brgemm runs its plain gemm fallback. Requests with more than one query block have their key
-// blocks packed once into a shared arena by whichever task needs them first (PackedKV); the others'
-// tasks pack their own.
+// brgemm runs its plain gemm fallback. A key block that several tasks read (a request with more than
+// one query block, or a prefix whose slots several requests share) is packed once into a shared
+// arena by whichever task needs it first (SharedBlocks); the others are packed by their task.
 //
 // P is rounded to bf16 before P.V and l sums the rounded values, so the weights the output uses sum
 // to exactly l. Results differ from extend()'s fp32 math by the bf16 rounding of P.
@@ -34,6 +36,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "paged_attention.h"
@@ -45,6 +48,12 @@ constexpr int kRows = 64;     // query rows per task (per head)
 constexpr int kKeys = 128;    // keys per block (a multiple of kKeyPad and of every fvec::N)
 constexpr int kKeyPad = 32;   // a block's keys padded to this: AMX bf16 tiles are 32 deep
 constexpr int kOnes = 16;     // columns appended to V: a column of ones, then zeros
+constexpr int kAhead = 16;    // K/V rows prefetched ahead while packing (paged rows are scattered:
+                              // the hardware prefetchers do not follow the slot table)
+
+inline void prefetch_bytes(const void* p, int bytes) {
+  for (int b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+}
 
 // Whether brgemm takes VNNI-packed B here (oneDNN's ukernel with AMX); otherwise plain B.
 bool brgemm_vnni() {
@@ -76,9 +85,11 @@ inline fvec store_bf16(fvec x, bf16* dst) {
 // Gathers the block's K rows (slots[t], t < n) as B of S = Q.K^T; zero columns for t in [n, npad).
 inline void pack_k(bf16* dst, const bf16* k, const int32_t* slots, int n, int npad, int D, int64_t s0, int64_t off,
                    bool vnni) {
+  for (int t = 0; t < std::min(n, kAhead); ++t) prefetch_bytes(k + static_cast<int64_t>(slots[t]) * s0 + off, D * 2);
   if (vnni) {  // dst as uint32 [D/2][kKeys]: element (p, t) holds K[t][2p], K[t][2p + 1]
     auto* d32 = reinterpret_cast<uint32_t*>(dst);
     for (int t = 0; t < n; ++t) {
+      if (t + kAhead < n) prefetch_bytes(k + static_cast<int64_t>(slots[t + kAhead]) * s0 + off, D * 2);
       const auto* r = reinterpret_cast<const uint32_t*>(k + static_cast<int64_t>(slots[t]) * s0 + off);
       for (int p = 0; p < D / 2; ++p) d32[p * kKeys + t] = r[p];
     }
@@ -86,6 +97,7 @@ inline void pack_k(bf16* dst, const bf16* k, const int32_t* slots, int n, int np
       for (int t = n; t < npad; ++t) d32[p * kKeys + t] = 0;
   } else {     // dst [D][kKeys]
     for (int t = 0; t < n; ++t) {
+      if (t + kAhead < n) prefetch_bytes(k + static_cast<int64_t>(slots[t + kAhead]) * s0 + off, D * 2);
       const bf16* r = k + static_cast<int64_t>(slots[t]) * s0 + off;
       for (int d = 0; d < D; ++d) dst[d * kKeys + t] = r[d];
     }
@@ -101,14 +113,18 @@ inline void pack_v(bf16* dst, const bf16* v, const int32_t* slots, int n, int np
   const int Dv = D + kOnes;
   constexpr uint16_t kOne = 0x3F80;   // bf16 1.0
   auto* d16 = reinterpret_cast<uint16_t*>(dst);
+  for (int t = 0; t < std::min(n, kAhead); ++t) prefetch_bytes(v + static_cast<int64_t>(slots[t]) * s0 + off, D * 2);
   if (vnni) {  // [npad/2][Dv][2]: element (i, d) holds row 2i's and row 2i + 1's column d
     for (int i = 0; i < npad / 2; ++i) {
       const int t = 2 * i;
+      for (int u = t + kAhead; u < std::min(n, t + kAhead + 2); ++u)
+        prefetch_bytes(v + static_cast<int64_t>(slots[u]) * s0 + off, D * 2);
       const auto* r0 = t < n ? reinterpret_cast<const uint16_t*>(v + static_cast<int64_t>(slots[t]) * s0 + off) : nullptr;
       const auto* r1 = t + 1 < n ? reinterpret_cast<const uint16_t*>(v + static_cast<int64_t>(slots[t + 1]) * s0 + off)
                                  : nullptr;
       uint16_t* o = d16 + static_cast<int64_t>(i) * Dv * 2;
-      for (int d = 0; d < D; ++d) {
+      int d = 0;
+      for (; d < D; ++d) {
         o[2 * d] = r0 ? r0[d] : 0;
         o[2 * d + 1] = r1 ? r1[d] : 0;
       }
@@ -119,6 +135,7 @@ inline void pack_v(bf16* dst, const bf16* v, const int32_t* slots, int n, int np
   } else {     // [npad][Dv]
     std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(npad) * Dv * sizeof(bf16));
     for (int t = 0; t < n; ++t) {
+      if (t + kAhead < n) prefetch_bytes(v + static_cast<int64_t>(slots[t + kAhead]) * s0 + off, D * 2);
       std::memcpy(dst + t * Dv, v + static_cast<int64_t>(slots[t]) * s0 + off, D * sizeof(bf16));
       d16[t * Dv + D] = kOne;
     }
@@ -181,7 +198,11 @@ inline void softmax_block_rows(float* s, bf16* p, float* m, float* o, float* bm,
     }
     const float* sr = s + r * kKeys;
     const fvec neg_mn = fvec::set1(-mn);
-    for (int t = 0; t < npad; t += fvec::N) store_bf16(exp2_bf16(fmadd(fvec::load(sr + t), cv, neg_mn)), pr + t);
+    // keys past the row's last visible one are -inf: p = 0 there without the exp
+    const int t_hi = static_cast<int>(std::clamp<int64_t>(pos0 + r + 1 - j0, 0, n));
+    const int t_end = (t_hi + fvec::N - 1) / fvec::N * fvec::N;
+    for (int t = 0; t < t_end; t += fvec::N) store_bf16(exp2_bf16(fmadd(fvec::load(sr + t), cv, neg_mn)), pr + t);
+    if (t_end < npad) std::memset(static_cast<void*>(pr + t_end), 0, (npad - t_end) * sizeof(bf16));
     if (mn != m[r]) {
       const fvec alpha = exp2_bf16(fvec::set1(m[r] - mn));
       float* orow = o + r * Dv;
@@ -195,14 +216,63 @@ struct BrgemmTask {
   int64_t b, i0, kvh, cost;
 };
 
-// Where the key blocks of one (request, kv head) are when shared (requests with more than one query
-// block, whose tasks would otherwise each pack the same blocks): block i (keys [i * kKeys, ...)) is
-// arena block offset + i - first, its K^T then its V. The first task to need a block packs it there
-// (state 0 -> 1 -> 2); a task that finds it being packed (1) packs its own copy instead of waiting.
-struct PackedKV {
-  int64_t offset = -1;   // -1: not packed up front (each task packs its blocks)
-  int64_t first = 0;     // first packed block (a window skips the older ones)
+// Key blocks packed once and shared (an arena): a block that more than one task reads, i.e. one
+// that belongs to a request with more than one query block (all its tasks read it), or whose slots
+// are the same in several requests (a prefix they share through the radix cache, e.g. a system
+// prompt: every request of a batch would otherwise gather and pack the same keys). Blocks are
+// compared by their slots: same block index, same length, same slot ids. Each shared block has one
+// arena entry per kv head, its K^T then its V; the first task to need it packs it there (state 0 ->
+// 1 -> 2), and a task that finds it being packed (1) packs its own copy instead of waiting.
+struct SharedBlocks {
+  std::vector<int64_t> base, first;   // per request: its entries in `unit` start at base[b], block first[b]
+  std::vector<int64_t> unit;          // per (request, block): the arena unit, -1 when packed by its task
+  int64_t units = 0;
 };
+
+// first key any query row of request b sees (its first row's window start; 0 without a window)
+int64_t first_visible_key(int64_t b, int64_t i0, const Args& a) {
+  return a.window_left >= 0 ? std::max<int64_t>(0, a.prefix_lens[b] + i0 - a.window_left) : int64_t{0};
+}
+
+// Which key blocks go to the arena (SharedBlocks above).
+SharedBlocks find_shared_blocks(const Args& a) {
+  struct Canon { const int32_t* slots; int n; int users; };
+  std::vector<Canon> canon;
+  std::unordered_map<uint64_t, std::vector<int64_t>> by_key;
+  std::vector<int64_t> canon_of;
+  SharedBlocks sb;
+  sb.base.resize(a.bs);
+  sb.first.resize(a.bs);
+  for (int64_t b = 0; b < a.bs; ++b) {
+    const int32_t* tok = a.table + a.rows[b] * a.table_s0;
+    const int64_t ext = a.qo_indptr[b + 1] - a.qo_indptr[b];
+    const int64_t first = first_visible_key(b, 0, a) / kKeys, last = (a.seq_lens[b] + kKeys - 1) / kKeys;
+    sb.base[b] = static_cast<int64_t>(canon_of.size());
+    sb.first[b] = first;
+    for (int64_t i = first; i < last; ++i) {
+      const int32_t* sl = tok + i * kKeys;
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, a.seq_lens[b] - i * kKeys));
+      const uint64_t key = (static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint32_t>(sl[0]) ^
+                           (static_cast<uint64_t>(n) << 40);
+      int64_t c = -1;
+      for (int64_t cand : by_key[key])
+        if (canon[cand].n == n && std::memcmp(canon[cand].slots, sl, n * sizeof(int32_t)) == 0) c = cand;
+      if (c < 0) {
+        c = static_cast<int64_t>(canon.size());
+        canon.push_back({sl, n, 0});
+        by_key[key].push_back(c);
+      }
+      canon[c].users += ext > kRows ? 2 : 1;
+      canon_of.push_back(c);
+    }
+  }
+  std::vector<int64_t> unit_of_canon(canon.size(), -1);
+  for (size_t c = 0; c < canon.size(); ++c)
+    if (canon[c].users >= 2) unit_of_canon[c] = sb.units++;
+  sb.unit.resize(canon_of.size());
+  for (size_t e = 0; e < canon_of.size(); ++e) sb.unit[e] = unit_of_canon[canon_of[e]];
+  return sb;
+}
 
 void extend_brgemm_kernel(const Args& a, int D) {
   namespace cpublas = at::native::cpublas;
@@ -212,31 +282,21 @@ void extend_brgemm_kernel(const Args& a, int D) {
   auto* out = static_cast<bf16*>(a.out);
   const int G = static_cast<int>(a.G);
   const bool vnni = brgemm_vnni();
-  const bool windowed = a.window_left >= 0;
   const int Dv = D + kOnes;
   const int64_t block_elems = static_cast<int64_t>(kKeys) * (D + Dv);   // K^T and [V | 1] of one key block
-  // first key any query row of request b sees (its first row's window start; 0 without a window)
-  auto first_key = [&](int64_t b, int64_t i0) {
-    return windowed ? std::max<int64_t>(0, a.prefix_lens[b] + i0 - a.window_left) : int64_t{0};
-  };
   std::vector<BrgemmTask> tasks;
-  std::vector<PackedKV> packed(a.bs * a.KVH);
-  int64_t packed_blocks = 0;
   for (int64_t b = 0; b < a.bs; ++b) {
     const int64_t ext = a.qo_indptr[b + 1] - a.qo_indptr[b], p = a.prefix_lens[b];
     for (int64_t i0 = 0; i0 < ext; i0 += kRows) {
       const int64_t nr = std::min<int64_t>(kRows, ext - i0);
-      for (int64_t kvh = 0; kvh < a.KVH; ++kvh) tasks.push_back({b, i0, kvh, nr * (p + i0 + nr - first_key(b, i0))});
-    }
-    if (ext > kRows) {
-      const int64_t first = first_key(b, 0) / kKeys, last = (a.seq_lens[b] + kKeys - 1) / kKeys;
-      for (int64_t kvh = 0; kvh < a.KVH; ++kvh) {
-        packed[b * a.KVH + kvh] = {packed_blocks, first};
-        packed_blocks += last - first;
-      }
+      for (int64_t kvh = 0; kvh < a.KVH; ++kvh)
+        tasks.push_back({b, i0, kvh, nr * (p + i0 + nr - first_visible_key(b, i0, a))});
     }
   }
-  std::vector<bf16> arena(static_cast<size_t>(packed_blocks * block_elems));
+  const SharedBlocks shared_blocks = find_shared_blocks(a);
+  const int64_t packed_blocks = shared_blocks.units * a.KVH;
+  // uninitialized (every block is packed before it is read): a zero fill cost ~4% of a short prefill
+  std::unique_ptr<bf16[]> arena(new bf16[static_cast<size_t>(packed_blocks * block_elems)]);
   std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[packed_blocks]);   // 0 empty, 1 packing, 2 ready
   for (int64_t i = 0; i < packed_blocks; ++i) state[i].store(0, std::memory_order_relaxed);
   auto pack_block = [&](bf16* dst, int64_t b, int64_t kvh, int64_t j0) {
@@ -249,10 +309,10 @@ void extend_brgemm_kernel(const Args& a, int D) {
   // the packed block of request b, kv head kvh holding keys from j0 (a multiple of kKeys): the shared
   // copy (packed now if nobody has), or `own` packed now
   auto block_of = [&](int64_t b, int64_t kvh, int64_t j0, bf16* own) -> const bf16* {
-    const PackedKV& pk = packed[b * a.KVH + kvh];
-    if (pk.offset >= 0) {
-      const int64_t i = pk.offset + j0 / kKeys - pk.first;
-      bf16* shared = arena.data() + i * block_elems;
+    const int64_t u = shared_blocks.unit[shared_blocks.base[b] + j0 / kKeys - shared_blocks.first[b]];
+    if (u >= 0) {
+      const int64_t i = u * a.KVH + kvh;
+      bf16* shared = arena.get() + i * block_elems;
       int st = state[i].load(std::memory_order_acquire);
       if (st == 2) return shared;
       if (st == 0 && state[i].compare_exchange_strong(st, 1, std::memory_order_acq_rel)) {
@@ -269,36 +329,42 @@ void extend_brgemm_kernel(const Args& a, int D) {
   std::atomic<int64_t> next{0};
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    std::vector<bf16> own(static_cast<size_t>(block_elems)), pb(kRows * kKeys);
-    std::vector<float> s(kRows * kKeys), o(static_cast<size_t>(G) * kRows * Dv), m(G * kRows), bm(kRows);
+    std::vector<bf16> own(static_cast<size_t>(block_elems)), qs(static_cast<size_t>(G) * kRows * D),
+        pb(static_cast<size_t>(G) * kRows * kKeys);
+    std::vector<float> s(static_cast<size_t>(G) * kRows * kKeys), o(static_cast<size_t>(G) * kRows * Dv),
+        m(G * kRows), bm(kRows);
     for (int64_t ti; (ti = next.fetch_add(1)) < ntasks;) {
       const BrgemmTask& task = tasks[ti];
       const int64_t b = task.b, i0 = task.i0, kvh = task.kvh;
       const int64_t ext = a.qo_indptr[b + 1] - a.qo_indptr[b], p = a.prefix_lens[b];
       const int nr = static_cast<int>(std::min<int64_t>(kRows, ext - i0));
+      const int rows = G * nr;       // the G heads' query rows stacked: row g * nr + r
       const int64_t pos0 = p + i0;   // position of the task's first query row
       const bf16* q0 = q + (a.qo_indptr[b] + i0) * a.q_s0 + kvh * G * a.q_s1;   // row 0, head kvh * G
-      std::fill(o.begin(), o.end(), 0.f);
-      std::fill(m.begin(), m.end(), kNegInf);
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < nr; ++r)
+          std::memcpy(qs.data() + static_cast<int64_t>(g * nr + r) * D, q0 + r * a.q_s0 + g * a.q_s1, D * sizeof(bf16));
+      std::fill(o.begin(), o.begin() + static_cast<int64_t>(rows) * Dv, 0.f);
+      std::fill(m.begin(), m.begin() + rows, kNegInf);
       // keys [j_begin, k_end) in blocks aligned to kKeys: every key a row sees (rows mask the rest)
-      const int64_t j_begin = first_key(b, i0) / kKeys * kKeys, k_end = pos0 + nr;
+      const int64_t j_begin = first_visible_key(b, i0, a) / kKeys * kKeys, k_end = pos0 + nr;
       for (int64_t j0 = j_begin; j0 < k_end; j0 += kKeys) {
         const int n = static_cast<int>(std::min<int64_t>(kKeys, k_end - j0));
         const int npad = (n + kKeyPad - 1) / kKeyPad * kKeyPad;
         const bf16* blk = block_of(b, kvh, j0, own.data());
         const bf16* kp = blk;
         const bf16* vp = blk + static_cast<int64_t>(kKeys) * D;
+        cpublas::brgemm(rows, npad, D, D, kKeys, kKeys, false, qs.data(), kp, s.data(), vnni);
         for (int g = 0; g < G; ++g) {
-          float* og = o.data() + static_cast<int64_t>(g) * kRows * Dv;
-          cpublas::brgemm(nr, npad, D, a.q_s0, kKeys, kKeys, false, q0 + g * a.q_s1, kp, s.data(), vnni);
-          softmax_block_rows(s.data(), pb.data(), m.data() + g * kRows, og, bm.data(), nr, Dv, pos0, j0, n, npad,
-                             a.window_left, a.scale, a.logit_cap);
-          cpublas::brgemm(nr, Dv, npad, kKeys, Dv, Dv, true, pb.data(), vp, og, vnni);
+          const int64_t r0 = static_cast<int64_t>(g) * nr;
+          softmax_block_rows(s.data() + r0 * kKeys, pb.data() + r0 * kKeys, m.data() + r0, o.data() + r0 * Dv,
+                             bm.data(), nr, Dv, pos0, j0, n, npad, a.window_left, a.scale, a.logit_cap);
         }
+        cpublas::brgemm(rows, Dv, npad, kKeys, Dv, Dv, true, pb.data(), vp, o.data(), vnni);
       }
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < nr; ++r) {
-          const float* src = o.data() + (static_cast<int64_t>(g) * kRows + r) * Dv;
+          const float* src = o.data() + static_cast<int64_t>(g * nr + r) * Dv;
           const float lr = src[D];   // the softmax denominator
           bf16* dst = out + (a.qo_indptr[b] + i0 + r) * a.o_s0 + (kvh * G + g) * a.o_s1;
           const fvec inv = fvec::set1(lr > 0.f ? 1.f / lr : 0.f);

@@ -140,9 +140,11 @@ class Scheduler:
             self.gen_tokens.append((time.monotonic(), n))
             self.generated_tokens += n
         if to_sample:
-            idx = torch.tensor([i for i, _ in to_sample], device=logits.next_token_logits.device)
+            rows = logits.next_token_logits
+            if len(to_sample) < rows.shape[0]:   # only then a copy (64 x 49152 fp32: ~2 ms on 2 cores)
+                rows = rows[torch.tensor([i for i, _ in to_sample], device=rows.device)]
             reqs = [req for _, req in to_sample]
-            for req, tid in zip(reqs, out.sample(reqs, logits.next_token_logits[idx])):
+            for req, tid in zip(reqs, out.sample(reqs, rows)):
                 out.append_token(req, tid)
             self.gen_tokens.append((time.monotonic(), len(reqs)))
             self.generated_tokens += len(reqs)

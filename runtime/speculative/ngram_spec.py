@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..layers.sampler import argmax_rows
 from ..layers.sampling_batch_info import is_plain_greedy
 from .ngram import NgramIndex
 
@@ -166,7 +167,7 @@ class NgramSpeculator:
         """The argmax of every position at once; then accept in order (stop rules per token)."""
         sizes = [len(x) for x in logits]
         vocab = self.output.vocab_size
-        targets = torch.cat(logits)[:, :vocab].argmax(-1).tolist()
+        targets = argmax_rows(torch.cat(logits)[:, :vocab]).tolist()
         out, start = [], 0
         for req, draft, size in zip(reqs, drafts, sizes):
             n = 0

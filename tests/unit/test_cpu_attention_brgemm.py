@@ -105,6 +105,25 @@ def test_brgemm_strided_q_and_small_head_dim(forced):
     assert spy.calls == ["extend_brgemm"]
 
 
+@pytest.mark.parametrize("window", [-1, 150])
+def test_brgemm_prefix_slots_shared_across_requests(forced, window):
+    """Requests whose prefixes are the same KV slots (a radix-cache hit): the kernel packs such key
+    blocks once for all of them (SharedBlocks). Shares of whole blocks, of part of a block (the rest
+    differs: not shared), with a multi-block request, and with the same length but other slots."""
+    forced("brgemm")
+    heads, kv_heads, head_dim = 9, 3, 64
+    lens = [(300, 340), (300, 364), (300, 340), (200, 330), (128, 300), (300, 301), (0, 90)]
+    shared = [300, 300, 300, 200, 128, 300, 0]          # leading slots taken from request 0's row
+    fb, q = make_batch(lens, 1, heads, kv_heads, head_dim, torch.bfloat16, seed=11, mode=ForwardMode.EXTEND)
+    table, rows = fb.req_to_token_pool.req_to_token, fb.req_pool_indices.tolist()
+    for row, n in zip(rows[1:], shared[1:]):
+        table[row, :n] = table[rows[0], :n]
+    layer = RadixAttention(0, heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window_size=window)
+    backend, spy = spied_backend()
+    check(fb, q, layer, run(fb, q, layer, backend))
+    assert spy.calls == ["extend_brgemm"]
+
+
 def test_fp32_and_decode_stay_on_simd(forced):
     """Forced brgemm still leaves fp32 extends and decode batches to the simd kernels."""
     forced("brgemm")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixlm.runtime.layers.logits_processor import compute_logprobs, gather_token_logprobs, top_k_logprobs
-from radixlm.runtime.layers.sampler import Sampler, apply_penalties, process_logits, sorted_candidates
+from radixlm.runtime.layers.sampler import Sampler, apply_penalties, argmax_rows, process_logits, sorted_candidates
 from radixlm.runtime.layers.sampling_batch_info import PenaltyState, SamplingBatchInfo, step_seed
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -399,3 +399,20 @@ def test_shape_errors() -> None:
         Sampler()(torch.zeros(3, VOCAB), info)
     with pytest.raises(ValueError):
         make_info([sp()] * 2, vocab_mask=torch.ones(2, VOCAB + 1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [5, 100, 49152])
+def test_argmax_rows_is_torch_argmax(dtype, vocab):
+    """argmax_rows (max(dim), the fast one on CPU) picks what torch.argmax picks: the first index on
+    ties, a NaN's index, index 0 for a row of -inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    ties = torch.randint(0, 3, (8, vocab), generator=gen).to(dtype)           # many equal maxima
+    x = torch.randn(8, vocab, generator=gen).to(dtype)
+    x[:, vocab // 3] = 100
+    x[:, vocab // 2] = 100
+    x[1, vocab - 1] = float("nan")
+    x[2, :] = float("-inf")
+    for t in (ties, x, x[:, : vocab - 1]):
+        assert torch.equal(argmax_rows(t), torch.argmax(t, dim=-1))
+    assert argmax_rows(x).dtype == torch.int64
