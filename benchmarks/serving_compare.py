@@ -28,6 +28,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -188,6 +189,9 @@ def _without_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
 
 async def _one_run(bs: Any, t: Target, tokenizer: Any, concurrency: int | None, repeat: int) -> dict[str, Any]:
     flushed = await t.flush()
+    if flushed is False:
+        print(f"WARNING: could not reset {t.name}'s prefix cache: its later runs see the same prompts warm "
+              f"(vLLM: start it with VLLM_SERVER_DEV_MODE=1)", file=sys.stderr)
     dataset = bs.make_dataset(t.args, bs.PromptMaker(tokenizer, t.args.seed), concurrency)
     before = await bs.cache_counters(t.http)
     with common.LoadMonitor() as load:
@@ -248,6 +252,11 @@ def compare_table(results: dict[str, Any]) -> str:
         note += (f"\n\nGreedy agreement before the runs ({AGREE_TOKENS} tokens, temperature 0): "
                  f"{sum(r['same'] for r in agree)}/{len(agree)} prompts gave the same text on both; common "
                  f"prefix {[r['common_prefix_chars'] for r in agree]} of {[r['chars'] for r in agree]} characters.")
+    warm = sorted({r["system"] for r in results["runs"] if r.get("cache_reset") is False})
+    if warm:
+        note += (f"\n\n**Not a cold comparison**: the prefix cache of {', '.join(warm)} could not be reset before "
+                 f"its runs (vLLM: start it with VLLM_SERVER_DEV_MODE=1), so runs after the first (same prompts) "
+                 f"hit its cache.")
     errors = sorted({e for r in results["runs"] for e in r["errors"]})
     if errors:
         note += "\n\nErrors: " + "; ".join(errors[:5])

@@ -142,7 +142,9 @@ def test_bench_serving_side_by_side(server: Any, tmp_path: Path) -> None:
     # radixlm's OpenAI side has neither vLLM's /reset_prefix_cache nor llama.cpp's /slots
     assert [r["cache_reset"] for r in doc["runs"][:2]] == [True, False]
     assert len(doc["rows"]) == 4 and all(r["output_throughput_ratio"] > 0 for r in doc["rows"])
-    assert "out tok/s radixlm/peer" in (tmp_path / "bench_serving_random_vs_peer.md").read_text()
+    table = (tmp_path / "bench_serving_random_vs_peer.md").read_text()
+    assert "out tok/s radixlm/peer" in table
+    assert "**Not a cold comparison**: the prefix cache of peer could not be reset" in table   # said, not buried
     agree = doc["greedy_agreement"]        # one server behind both names: greedy texts are equal
     assert len(agree) == 4 and all(r["same"] and r["texts"][0] for r in agree), agree
 
