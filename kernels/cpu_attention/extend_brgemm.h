@@ -5,9 +5,8 @@
 //
 // Work: one task per (request, kv head, block of kRows query rows); the G query heads of the kv head
 // are stacked into one [G * nr][D] query block, so each key block is gathered and packed once for
-// all of them and each product is one brgemm call of G * nr rows (fewer, larger calls: AMX tiles
-// are reused over more rows). Tasks are pulled by the threads from a shared counter, longest first (a causal prefill's
-// last query blocks see the most keys).
+// all of them and each product is one brgemm call of G * nr rows. Tasks are pulled by the threads
+// from a shared counter, longest first (a causal prefill's last query blocks see the most keys).
 //
 // One task, per key block [j0, j0 + n) of its visible keys (kKeys at a time, aligned to kKeys):
 //   kp  [D/2][kKeys][2]  bf16   K^T of the block, VNNI-packed (pairs of d adjacent); keys n.. zero
@@ -123,8 +122,7 @@ inline void pack_v(bf16* dst, const bf16* v, const int32_t* slots, int n, int np
       const auto* r1 = t + 1 < n ? reinterpret_cast<const uint16_t*>(v + static_cast<int64_t>(slots[t + 1]) * s0 + off)
                                  : nullptr;
       uint16_t* o = d16 + static_cast<int64_t>(i) * Dv * 2;
-      int d = 0;
-      for (; d < D; ++d) {
+      for (int d = 0; d < D; ++d) {
         o[2 * d] = r0 ? r0[d] : 0;
         o[2 * d + 1] = r1 ? r1[d] : 0;
       }
@@ -255,8 +253,12 @@ SharedBlocks find_shared_blocks(const Args& a) {
       const uint64_t key = (static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint32_t>(sl[0]) ^
                            (static_cast<uint64_t>(n) << 40);
       int64_t c = -1;
-      for (int64_t cand : by_key[key])
-        if (canon[cand].n == n && std::memcmp(canon[cand].slots, sl, n * sizeof(int32_t)) == 0) c = cand;
+      for (int64_t cand : by_key[key]) {
+        if (canon[cand].n == n && std::memcmp(canon[cand].slots, sl, n * sizeof(int32_t)) == 0) {
+          c = cand;
+          break;
+        }
+      }
       if (c < 0) {
         c = static_cast<int64_t>(canon.size());
         canon.push_back({sl, n, 0});
