@@ -9,6 +9,8 @@ disabled or cannot be built; callers then use the torch code. The module has:
            window_left=-1, logit_cap=0.0)
     extend_brgemm(...)      # extend's arguments and result, bf16 only, on the matrix units (extend_brgemm.h)
     decode_num_splits(bs, max_seq_len), isa(), extend_brgemm_packed()
+    extend_brgemm_micro()   # what its products run on: "amx", "avx512_bf16" (dpbf16_gemm.h) or "gemm"
+    force_extend_brgemm_micro(name)   # tests: "gemm" or the best one, until "auto"
 
 Which extend kernel a bf16 layer runs is measured, not assumed: runtime/layers/attention/extend_select.py.
 
@@ -46,7 +48,8 @@ def load_cpu_attention(isa: str | None = None):
     Side effects: may compile into the cache folder (tens of seconds) and logs that it does.
     """
     mod = load_extension("cpu_attention", "CPU attention kernels", isa, [_SRC_DIR / "paged_attention.cpp"],
-                         [_SRC_DIR / "paged_attention.h", _SRC_DIR / "extend_brgemm.h", _SRC_DIR / "simd.h"])
+                         [_SRC_DIR / "paged_attention.h", _SRC_DIR / "extend_brgemm.h", _SRC_DIR / "dpbf16_gemm.h",
+                          _SRC_DIR / "simd.h"])
     if mod is not None:
         _register_custom_ops(mod)
     return mod

@@ -18,9 +18,9 @@
 //   p   [G*nr][kKeys] bf16      2^(c*s - m) under the mask, 0 past n and past each row's last
 //                               visible key (no exp there; online softmax in base 2, fp32)
 //   o   [G*nr][Dv]   fp32       o * 2^(m_old - m) + p.[V | 1] (one brgemm with add_C); out = o / o[:, D]
-// npad: n rounded up to kKeyPad (the AMX tile depth for bf16). Without the packed layout
-// (cpublas::could_pack false: no AMX), kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv], and
-// brgemm runs its plain gemm fallback. A key block that several tasks read (a request with more than
+// npad: n rounded up to kKeyPad (the AMX tile depth for bf16). The products run on AMX tiles, on
+// vdpbf16ps (dpbf16_gemm.h, AVX512-BF16 without AMX: same packed layout) or, on neither, in brgemm's
+// plain gemm fallback, for which kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv]. A key block that several tasks read (a request with more than
 // one query block, or a prefix whose slots several requests share) is packed once into a shared
 // arena by whichever task needs it first (SharedBlocks); the others are packed by their task.
 //
@@ -35,9 +35,11 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "dpbf16_gemm.h"
 #include "paged_attention.h"
 
 namespace radixlm_attn {
@@ -54,10 +56,38 @@ inline void prefetch_bytes(const void* p, int bytes) {
   for (int b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
-// Whether brgemm takes VNNI-packed B here (oneDNN's ukernel with AMX); otherwise plain B.
-bool brgemm_vnni() {
-  static const bool vnni = at::native::cpublas::could_pack(at::kBFloat16);
-  return vnni;
+// The micro-kernel of the block products: oneDNN's brgemm on AMX tiles, vdpbf16ps where the CPU has
+// AVX512-BF16 but no AMX (dpbf16_gemm.h), else torch's brgemm with its plain gemm fallback. The first
+// two take B VNNI-packed, the third plain. The best one this CPU runs is used unless a test forces
+// another (force_micro_kernel).
+enum class Micro { kAmx, kDpbf16, kGemm };
+const char* const kMicroNames[] = {"amx", "avx512_bf16", "gemm"};
+
+Micro best_micro_kernel() {
+  static const Micro best = [] {
+    if (at::native::cpublas::could_pack(at::kBFloat16)) return Micro::kAmx;
+#if defined(RADIXLM_AVX512)
+    if (cpu_has_avx512_bf16()) return Micro::kDpbf16;
+#endif
+    return Micro::kGemm;
+  }();
+  return best;
+}
+
+std::atomic<int> forced_micro{-1};   // a Micro, or -1: the best
+
+Micro micro_kernel() {
+  const int f = forced_micro.load(std::memory_order_relaxed);
+  return f < 0 ? best_micro_kernel() : static_cast<Micro>(f);
+}
+
+// C (+)= A . B for one block product (see the layouts at the top of this file).
+inline void block_product(Micro mk, int M, int N, int K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
+                          const bf16* A, const bf16* B, float* C) {
+#if defined(RADIXLM_AVX512)
+  if (mk == Micro::kDpbf16) return dpbf16_gemm(M, N, K, A, lda, B, ldb, C, ldc, add_C);
+#endif
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, mk == Micro::kAmx);
 }
 
 // dst = bf16(x) rounded to nearest even; returns float(dst). x finite.
@@ -283,7 +313,8 @@ void extend_brgemm_kernel(const Args& a, int D) {
   const auto* q = static_cast<const bf16*>(a.q);
   auto* out = static_cast<bf16*>(a.out);
   const int G = static_cast<int>(a.G);
-  const bool vnni = brgemm_vnni();
+  const Micro mk = micro_kernel();
+  const bool vnni = mk != Micro::kGemm;
   const int Dv = D + kOnes;
   const int64_t block_elems = static_cast<int64_t>(kKeys) * (D + Dv);   // K^T and [V | 1] of one key block
   std::vector<BrgemmTask> tasks;
@@ -356,13 +387,13 @@ void extend_brgemm_kernel(const Args& a, int D) {
         const bf16* blk = block_of(b, kvh, j0, own.data());
         const bf16* kp = blk;
         const bf16* vp = blk + static_cast<int64_t>(kKeys) * D;
-        cpublas::brgemm(rows, npad, D, D, kKeys, kKeys, false, qs.data(), kp, s.data(), vnni);
+        block_product(mk, rows, npad, D, D, kKeys, kKeys, false, qs.data(), kp, s.data());
         for (int g = 0; g < G; ++g) {
           const int64_t r0 = static_cast<int64_t>(g) * nr;
           softmax_block_rows(s.data() + r0 * kKeys, pb.data() + r0 * kKeys, m.data() + r0, o.data() + r0 * Dv,
                              bm.data(), nr, Dv, pos0, j0, n, npad, a.window_left, a.scale, a.logit_cap);
         }
-        cpublas::brgemm(rows, Dv, npad, kKeys, Dv, Dv, true, pb.data(), vp, o.data(), vnni);
+        block_product(mk, rows, Dv, npad, kKeys, Dv, Dv, true, pb.data(), vp, o.data());
       }
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < nr; ++r) {
@@ -373,7 +404,7 @@ void extend_brgemm_kernel(const Args& a, int D) {
           for (int d = 0; d < D; d += fvec::N) store_bf16(fvec::load(src + d) * inv, dst + d);
         }
     }
-    cpublas::brgemm_release(vnni);
+    if (mk == Micro::kAmx) cpublas::brgemm_release(true);
   });
 }
 
@@ -394,7 +425,19 @@ void extend_brgemm(at::Tensor out, const at::Tensor& q, const at::Tensor& k, con
   extend_brgemm_kernel(a, D);
 }
 
-// Whether brgemm runs on VNNI-packed operands here (oneDNN's ukernel, AMX) rather than its gemm fallback.
-bool extend_brgemm_packed() { return brgemm_vnni(); }
+// Whether brgemm runs on VNNI-packed operands here (AMX or AVX512-BF16) rather than its gemm fallback.
+bool extend_brgemm_packed() { return micro_kernel() != Micro::kGemm; }
+
+// The micro-kernel the block products run on: "amx", "avx512_bf16" or "gemm".
+std::string extend_brgemm_micro() { return kMicroNames[static_cast<int>(micro_kernel())]; }
+
+// Tests: runs the products on `name` ("gemm" or the best one, see extend_brgemm_micro) until "auto".
+void force_extend_brgemm_micro(const std::string& name) {
+  if (name == "auto") return forced_micro.store(-1);
+  const int best = static_cast<int>(best_micro_kernel()), gemm = static_cast<int>(Micro::kGemm);
+  for (int i : {best, gemm})
+    if (name == kMicroNames[i]) return forced_micro.store(i);
+  TORCH_CHECK(false, "extend_brgemm micro-kernel '", name, "' does not run here (auto, gemm or ", kMicroNames[best], ")");
+}
 
 }  // namespace radixlm_attn

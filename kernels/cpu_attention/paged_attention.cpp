@@ -18,6 +18,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
   m.def("extend_brgemm_packed", &radixlm_attn::extend_brgemm_packed,
         "whether brgemm runs on VNNI-packed operands (oneDNN ukernel, AMX) rather than its gemm fallback");
+  m.def("extend_brgemm_micro", &radixlm_attn::extend_brgemm_micro,
+        "the micro-kernel of extend_brgemm's products: amx, avx512_bf16 or gemm (torch's fallback)");
+  m.def("force_extend_brgemm_micro", &radixlm_attn::force_extend_brgemm_micro,
+        "tests: run extend_brgemm's products on 'gemm' or the best micro-kernel until 'auto'", py::arg("name"));
   m.def("decode_num_splits", &radixlm_attn::decode_num_splits, "kv splits the decode kernel picks");
   m.def("isa", []() { return std::string(RADIXLM_ISA_NAME); }, "the SIMD path this build uses");
 }

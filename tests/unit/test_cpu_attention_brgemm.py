@@ -54,10 +54,38 @@ def forced(monkeypatch):
     return force
 
 
+# The micro-kernels of the block products this CPU runs: the best one (amx, avx512_bf16) and torch's
+# gemm fallback; every kernel test below runs on each in turn.
+MICROS = sorted({KERNELS.extend_brgemm_micro(), "gemm"}) if KERNELS is not None else []
+
+
+@pytest.fixture(params=MICROS)
+def micro(request):
+    KERNELS.force_extend_brgemm_micro(request.param)
+    assert KERNELS.extend_brgemm_micro() == request.param
+    yield request.param
+    KERNELS.force_extend_brgemm_micro("auto")
+
+
+def test_best_micro_kernel_follows_the_cpu():
+    """AMX where oneDNN's brgemm packs for it, else vdpbf16ps on an AVX512-BF16 build: a CPU that has
+    either never runs the plain gemm fallback (2-4x slower at prefill)."""
+    flags = extend_select.cpu_attention.cpu_flags()
+    best = KERNELS.extend_brgemm_micro()
+    if torch.cpu._is_amx_tile_supported():
+        assert best == "amx"
+    elif "avx512_bf16" in flags and KERNELS.isa() == "avx512":
+        assert best == "avx512_bf16"
+    else:
+        assert best == "gemm"
+    with pytest.raises(RuntimeError, match="does not run here"):
+        KERNELS.force_extend_brgemm_micro("amx" if best != "amx" else "avx512_bf16")
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_brgemm_extend_matches_reference(forced, page_size, heads, kv_heads, head_dim):
+def test_brgemm_extend_matches_reference(forced, micro, page_size, heads, kv_heads, head_dim):
     forced("brgemm")
     fb, q = make_batch(LONG_LENS, page_size, heads, kv_heads, head_dim, torch.bfloat16, seed=heads + page_size,
                        mode=ForwardMode.EXTEND)
@@ -68,7 +96,7 @@ def test_brgemm_extend_matches_reference(forced, page_size, heads, kv_heads, hea
 
 
 @pytest.mark.parametrize("window", [0, 1, 31, 47, 100, 200])
-def test_brgemm_sliding_window(forced, window):
+def test_brgemm_sliding_window(forced, micro, window):
     forced("brgemm")
     heads, kv_heads, head_dim = 8, 2, 64
     fb, q = make_batch(LONG_LENS, 16, heads, kv_heads, head_dim, torch.bfloat16, seed=window, mode=ForwardMode.EXTEND)
@@ -81,7 +109,7 @@ def test_brgemm_sliding_window(forced, window):
 
 
 @pytest.mark.parametrize("window", [-1, 31])
-def test_brgemm_logit_cap(forced, window):
+def test_brgemm_logit_cap(forced, micro, window):
     forced("brgemm")
     heads, kv_heads, head_dim = 8, 2, 64
     fb, q = make_batch(LONG_LENS, 1, heads, kv_heads, head_dim, torch.bfloat16, seed=5, mode=ForwardMode.EXTEND)
@@ -91,7 +119,7 @@ def test_brgemm_logit_cap(forced, window):
     assert spy.calls == ["extend_brgemm"]
 
 
-def test_brgemm_strided_q_and_small_head_dim(forced):
+def test_brgemm_strided_q_and_small_head_dim(forced, micro):
     """q as a view of a fused qkv output (rows 2x apart), head_dim 16 as in the tiny test models."""
     forced("brgemm")
     heads, kv_heads, head_dim = 4, 2, 16
@@ -106,7 +134,7 @@ def test_brgemm_strided_q_and_small_head_dim(forced):
 
 
 @pytest.mark.parametrize("window", [-1, 150])
-def test_brgemm_prefix_slots_shared_across_requests(forced, window):
+def test_brgemm_prefix_slots_shared_across_requests(forced, micro, window):
     """Requests whose prefixes are the same KV slots (a radix-cache hit): the kernel packs such key
     blocks once for all of them (SharedBlocks). Shares of whole blocks, of part of a block (the rest
     differs: not shared), with a multi-block request, and with the same length but other slots."""
