@@ -129,7 +129,7 @@ CPU_QUANT_KERNEL = _var("RADIXLM_CPU_QUANT_KERNEL", str, "auto", "Kernel of the 
                         "cpu_quant_kernel", ("auto", "vnni", "gemm", "dequant"))
 CPU_EXTEND_KERNEL = _var("RADIXLM_CPU_EXTEND_KERNEL", str, "auto", "Kernel of the CPU extend (prefill) attention "
                          "for bf16 models: auto (time radixlm's AVX512/AVX2 kernel (simd) against the brgemm one "
-                         "(torch's CPU micro-kernel: AMX tiles where the CPU has them) once per head shape, cached "
+                         "(flash attention on AMX tiles, or on vdpbf16ps where the CPU has AVX512-BF16 without AMX) once per head shape, cached "
                          "beside linear_select.json's choices; extends of at least 16 new tokens per request take "
                          "the winner), or force brgemm or simd for every extend. Decode always runs the simd "
                          "kernel.", "cpu_extend_kernel", ("auto", "brgemm", "simd"))

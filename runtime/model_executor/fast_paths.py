@@ -83,8 +83,9 @@ def _extend_kernel(runner: Any) -> str:
     choice = extend_select.last_choice()
     if runner.dtype != torch.bfloat16 or choice is None:
         return f"simd (AVX512/AVX2; the brgemm kernel takes bf16 only, this model runs {runner.dtype})"
-    packed = "AMX tiles" if backend.kernels.extend_brgemm_packed() else "no AMX: brgemm's plain gemm"
-    return f"{choice.summary()}; brgemm: torch's cpublas micro-kernel ({packed})"
+    micro = {"amx": "oneDNN's brgemm on AMX tiles", "avx512_bf16": "radixlm's vdpbf16ps micro-kernel (no AMX)",
+             "gemm": "no AMX or AVX512-BF16: brgemm's plain gemm fallback"}[backend.kernels.extend_brgemm_micro()]
+    return f"{choice.summary()}; brgemm products: {micro}"
 
 
 def _gemm() -> str:
