@@ -27,7 +27,8 @@ from ..cpu_quant import QUANT_FLAGS, cpu_supports_quant
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",
-            _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h", _KERNELS / "cpu_quant" / "quant.h",
+            _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h",
+            _KERNELS / "cpu_gemm" / "gemm_silu.h", _KERNELS / "cpu_quant" / "quant.h",
             _KERNELS / "cpu_quant" / "kquant.h", _KERNELS / "cpu_quant" / "xquant.h"]
 
 

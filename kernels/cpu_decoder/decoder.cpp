@@ -38,7 +38,7 @@
 #include "kquant.h"   // k-quants (Q4_K, Q5_K, Q6_K): same kind numbering, 100 + ggml type
 #endif
 #ifdef RADIXLM_WITH_GEMM
-#include "gemm.h"
+#include "gemm_silu.h"
 #endif
 
 namespace radixlm_decoder {
@@ -99,6 +99,19 @@ struct Linear {
     return bias.defined() && bias_after ? at::add(y, bias) : y;
   }
 };
+
+// silu(gate) * up of the gate_up projection: in one pass from the gemm layout where the halves are
+// whole 64-row blocks (gemm_silu.h, the same bits), else the projection then silu_and_mul.
+at::Tensor silu_mlp_half(const Linear& gate_up, const at::Tensor& h) {
+#ifdef RADIXLM_WITH_GEMM
+  if (gate_up.kind == kGemm && !gate_up.bias.defined() && gate_up.out_features % (2 * radixlm_gemm::kBlock) == 0)
+    return radixlm_gemm::linear_silu_mul(h, gate_up.weight, gate_up.out_features / 2);
+#endif
+  const at::Tensor y = gate_up(h);
+  at::Tensor act = at::empty({h.size(0), y.size(1) / 2}, h.options());
+  radixlm_ops::silu_and_mul(act, y);
+  return act;
+}
 
 struct Layer {
   at::Tensor input_norm, post_norm, q_norm, k_norm;   // q_norm/k_norm undefined unless per-head norms
@@ -210,10 +223,7 @@ class Decoder {
                            scaling_, 0);
       h = L.o(attn.view({bs, q_size}));
       radixlm_ops::fused_add_rms_norm(h, residual, L.post_norm, eps_);
-      const at::Tensor gate_up = L.gate_up(h);
-      at::Tensor act = at::empty({bs, gate_up.size(1) / 2}, h.options());
-      radixlm_ops::silu_and_mul(act, gate_up);
-      h = L.down(act);
+      h = L.down(silu_mlp_half(L.gate_up, h));
     }
     radixlm_ops::fused_add_rms_norm(h, residual, final_norm_, eps_);
     return h;

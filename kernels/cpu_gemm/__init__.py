@@ -4,6 +4,7 @@
     out = torch.empty(mod.packed_numel(n, k), dtype=torch.bfloat16)   # any contiguous bf16 buffer
     mod.pack(w, out)                            # w [n, k] bf16, k even -> blocked k-pair layout
     y = mod.linear(x, out, n, bias)             # x [m, k] bf16 -> [m, n] bf16
+    a = mod.linear_silu_mul(x, gu, i)           # gu packed from [gate; up] [2i, k]: silu(gate) * up [m, i]
 
 gemm.cpp explains the layout. runtime/layers/packed_linear.py packs every bf16 linear weight this
 way after loading, into one arena of 2 MiB pages (runtime/mem_cache/huge_pages.py), and uses oneDNN's
@@ -28,6 +29,9 @@ def cpu_supports_gemm(flags: set[str] | None = None) -> bool:
     return pick_isa(flags) == "avx512" and "avx512_bf16" in flags
 
 
+# gemm_silu.h uses the fused ops' SiLU (kernels/cpu_ops) so that its result is silu_and_mul's
+HEADERS = [_SRC_DIR / "gemm.h", _SRC_DIR / "gemm_silu.h", _SRC_DIR.parent / "cpu_ops" / "fused_ops.h",
+           _SRC_DIR.parent / "cpu_attention" / "simd.h"]
 GEMM_FLAGS = ("-mavx512bf16",)   # added to the avx512 flags of every library that compiles gemm.h
 
 
@@ -41,5 +45,5 @@ def load_cpu_gemm():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
     if not gemm_enabled():
         return None
-    return load_extension("cpu_gemm", "bf16 GEMM kernel", "avx512", [_SRC_DIR / "gemm.cpp"], [_SRC_DIR / "gemm.h"],
+    return load_extension("cpu_gemm", "bf16 GEMM kernel", "avx512", [_SRC_DIR / "gemm.cpp"], HEADERS,
                           extra_flags=GEMM_FLAGS)

@@ -85,6 +85,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | GemmWei
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def linear_silu_mul(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | None:
+    """silu(gate) * up of a [gate; up] projection (x: [n, in] -> [n, out / 2]) in one pass over the gemm
+    layout (kernels/cpu_gemm/gemm_silu.h: the same bits as the projection then SiluAndMul, without the
+    [n, out] product), or None where that path does not apply (another layout, a bias, halves that
+    are not whole 64-row blocks, a gathered output)."""
+    packed = getattr(layer, "packed_weight", None)
+    if (not isinstance(packed, GemmWeight) or getattr(layer, "bias", None) is not None or x.dim() != 2
+            or packed.out_features % 128 or getattr(layer, "gather_output", False)):
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return load_cpu_gemm().linear_silu_mul(x, packed.data, packed.out_features // 2)
+
+
 def gemm_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
             and (bias is None or bias.dtype == torch.bfloat16))

@@ -32,6 +32,7 @@ from ..layers.linear import (
     default_weight_loader,
 )
 from ..layers.moe import MoEOptions, SparseMoeBlock
+from ..layers.packed_linear import linear_silu_mul
 from ..layers.rotary import RotaryEmbedding
 from ..layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ..model_executor.forward_batch import ForwardBatch
@@ -88,7 +89,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = GATED_ACTIVATIONS[self.act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = linear_silu_mul(x, self.gate_up_proj) if self.act == "silu" else None   # fused where it applies
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)) if h is None else h)
 
 
 class LlamaAttention(nn.Module):

@@ -70,3 +70,51 @@ def test_huge_page_arena_is_aligned_and_outlives_its_mapping_reference():
     assert t.data_ptr() % HUGE_PAGE == 0
     t.fill_(1.5)
     assert t.float().sum().item() == 1.5 * t.numel()
+
+
+@pytest.mark.parametrize("i,k", [(64, 64), (128, 96), (1536, 576)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 300])
+def test_linear_silu_mul_is_linear_then_silu_and_mul(i, k, m):
+    """gemm_silu.h: the fused gate_up + SiLU-and-mul has exactly the bits of the two steps (strided
+    rows, row tails of every tile size, more rows than one row chunk)."""
+    from radixlm.runtime.layers.activation import SiluAndMul
+
+    torch.manual_seed(i + k + m)
+    w = (torch.randn(2 * i, k) * 0.2).to(torch.bfloat16)
+    x = torch.randn(m, k + 8).to(torch.bfloat16)[:, 4:4 + k]
+    pw = packed(w)
+    want = SiluAndMul()(gemm.linear(x, pw, 2 * i, None))
+    got = gemm.linear_silu_mul(x, pw, i)
+    assert got.shape == (m, i) and torch.equal(got, want)
+    # the halves are not swapped or shifted: against the plain torch math, within rounding
+    ref = F.silu(x.float() @ w[:i].float().T) * (x.float() @ w[i:].float().T)
+    torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=0.05)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        gemm.linear_silu_mul(x, packed(torch.randn(2 * 96, k).to(torch.bfloat16)), 96)
+
+
+def test_llama_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch):
+    """LlamaMLP runs gemm_silu.h when its gate_up weight is in the gemm layout (same output as the
+    unfused path), and the projection + SiluAndMul for any other layout."""
+    from radixlm.runtime.layers import packed_linear
+    from radixlm.runtime.layers.packed_linear import GemmWeight
+    from radixlm.runtime.models.llama import LlamaMLP
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_act="silu", intermediate_size=128, hidden_size=64)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(cfg, bias=False).to(torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    want = mlp(x)                                          # plain weights: F.linear + SiluAndMul
+    w = mlp.gate_up_proj.weight
+    mlp.gate_up_proj.packed_weight = GemmWeight(packed(w.detach()), w.shape[0])
+    calls = []
+    real = gemm.linear_silu_mul
+    monkeypatch.setattr(packed_linear, "load_cpu_gemm", lambda: type("G", (), {
+        "linear_silu_mul": staticmethod(lambda *a: calls.append(1) or real(*a)),
+        "linear": staticmethod(gemm.linear)})())
+    got = mlp(x)
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)

@@ -167,16 +167,21 @@ def test_smollm2_perplexity_within_1pct_of_transformers_fp32() -> None:
 def test_smollm2_greedy_chat_agrees_with_dequantized() -> None:
     """Greedy 24 tokens on the chat prompts, quantized vs --disable-gguf-quant (both bf16, one batch).
     int8 activations move logits by about 1%, so near-ties may flip and the texts then diverge:
-    the first tokens must agree on nearly every prompt, and most continuations must match
-    (measured: printed below)."""
+    the first tokens must agree on every prompt where transformers' fp32 top two first tokens are more
+    than 1% apart (on an AMD EPYC two of the nine are 0.3% and 0.4% apart, and which side each
+    kernel set lands on changed with the attention micro-kernel), and about half the continuations
+    must match (measured: printed below)."""
     from helpers import SchedulerHarness
 
     from tests.real_model import CHAT_PROMPTS, chat_ids, hf_reference, smollm2_gguf
 
     if not cpu_supports_quant():
         pytest.skip("needs AVX512-VNNI")
-    _, tokenizer = hf_reference()
+    hf_model, tokenizer = hf_reference()
     prompts = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
+    with torch.no_grad():   # transformers' fp32 margin between its top two first tokens, relative
+        top2 = [hf_model(torch.tensor([x])).logits[0, -1].float().topk(2).values for x in prompts]
+    clear = [i for i, (a, b) in enumerate(top2) if a - b > 0.01 * abs(a)]
     outs = {}
     for dequantize in (False, True):
         h = SchedulerHarness(smollm2_gguf(), dtype="bfloat16", context_length=2048, max_total_tokens=8192,
@@ -188,6 +193,8 @@ def test_smollm2_greedy_chat_agrees_with_dequantized() -> None:
     same = sum(a == b for a, b in zip(outs[False], outs[True]))
     prefix = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
               for a, b in zip(outs[False], outs[True])]
-    print(f"greedy agreement: {same}/{len(prompts)} prompts identical; common prefix lengths {prefix}")
-    assert sum(p >= 1 for p in prefix) >= len(prompts) - 1
+    print(f"greedy agreement: {same}/{len(prompts)} prompts identical; common prefix lengths {prefix}; "
+          f"first tokens clear of a 1% tie on prompts {clear}")
+    assert len(clear) >= len(prompts) - 3
+    assert all(prefix[i] >= 1 for i in clear)
     assert same >= len(prompts) // 2
