@@ -8,8 +8,12 @@ process holds one of the cores, the thread it displaced finishes each region lat
 through their time slices: on a 2-core Xeon a decode step at batch 16 went from 29 ms to 300 ms beside
 one busy process, against 48 ms with one thread. Waiting passively (OMP_WAIT_POLICY=PASSIVE) bounds that
 too but costs 50% on a quiet machine (43 ms), so the spinning stays and the thread count adapts: when
-other processes took at least DROP_SHARE of all cores over the last interval, one thread fewer (at
-least one); when they took at most RESTORE_SHARE, back up to the configured count. The log says when.
+other processes took at least DROP_SHARE of all cores over the last DROP_WINDOWS intervals in a row,
+one thread fewer (at least one); when they took at most RESTORE_SHARE, back up to the configured count.
+The log says when. One busy interval is not enough: the server's own HTTP process starting up (or the
+client of a benchmark loading its tokenizer) took 53-54% for one interval at every start on a Zen 5
+EPYC, and the one thread it cost then stayed for the next ~6 s of serving, since the HTTP and
+detokenizer processes streaming tokens kept the others' share between the two thresholds.
 A window longer than STALE_S (the scheduler was idle, e.g. while another server ran a benchmark)
 decides nothing: the next one starts fresh.
 """
@@ -29,6 +33,7 @@ INTERVAL_S = 0.5
 STALE_S = 2.0              # a longer gap since the last look (idle scheduler) only restarts the window
 DROP_SHARE = 0.25          # others' share of all cores (a half-busy core out of 2) that costs a thread
 RESTORE_SHARE = 0.10
+DROP_WINDOWS = 2           # consecutive busy intervals before a thread is dropped
 
 
 class ThreadAdapter:
@@ -40,6 +45,7 @@ class ThreadAdapter:
         self.threads = threads
         self._sample, self._clock = sampler, clock
         self._last = sampler()
+        self._busy = 0             # consecutive intervals with the others' share >= DROP_SHARE
 
     def tick(self) -> None:
         """Checks the load once INTERVAL_S has passed since the last check and adapts the thread count."""
@@ -50,14 +56,17 @@ class ThreadAdapter:
         stale = now[0] - self._last[0] > STALE_S     # the scheduler sat idle: that load is not this step's
         self._last = now
         if share is None or stale:
+            self._busy = 0
             return
-        if share >= DROP_SHARE and self.threads > 1:
+        self._busy = self._busy + 1 if share >= DROP_SHARE else 0
+        if self._busy >= DROP_WINDOWS and self.threads > 1:
             self._set(self.threads - 1, share)
         elif share <= RESTORE_SHARE and self.threads < self.max_threads:
             self._set(self.max_threads, share)
 
     def _set(self, threads: int, share: float) -> None:
-        logger.info("Other processes used %.0f%% of the cores over the last %.1f s: torch threads %d -> %d",
-                    100 * share, INTERVAL_S, self.threads, threads)
+        logger.info("Other processes used %.0f%% of the cores over the last %.1f s%s: torch threads %d -> %d",
+                    100 * share, INTERVAL_S, f" ({self._busy} intervals in a row)" if threads < self.threads else "",
+                    self.threads, threads)
         self.threads = threads
         torch.set_num_threads(threads)

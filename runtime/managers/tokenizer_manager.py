@@ -305,7 +305,13 @@ class TokenizerManager:
             lp["output_token_logprobs"] += triples(tok.output_token_logprobs, t)
             lp["output_top_logprobs"] += triples(tok.output_top_logprobs, t, nested=True)
         self._observe_latency(st, len(tok.new_token_ids), now)
-        self._check_budget(st, tok, item.text_delta)
+        charge_output(st, tok, item.text_delta)   # --max-response-bytes, --max-stream-buffer-bytes: abort
+        if st.limit_abort is None and tok.finish_reason is None:   # (the scheduler then frees its KV)
+            args = self.server_args
+            st.limit_abort = over_budget(st, args.max_response_bytes, args.max_stream_buffer_bytes)
+            if st.limit_abort is not None:
+                logger.warning("aborting %s: %s", st.rid, st.limit_abort)
+                self._send_all(AbortReq(st.rid, st.limit_abort))
         if tok.finish_reason is not None:
             st.finish_reason = dict(tok.finish_reason)
             self.sessions.on_finished(st.rid, st.output_ids)
@@ -313,28 +319,14 @@ class TokenizerManager:
                 logger.info("finished %s: %s, %r", st.rid, st.finish_reason, st.text)
         st.notify.put_nowait(st.index)
 
-    def _check_budget(self, st: ReqState, tok: Any, text_delta: str) -> None:
-        """Aborts a request whose output outgrew --max-response-bytes, or a stream whose client
-        left more than --max-stream-buffer-bytes unread (the scheduler then frees its KV)."""
-        charge_output(st, tok, text_delta)
-        if st.limit_abort is None and tok.finish_reason is None:
-            args = self.server_args
-            st.limit_abort = over_budget(st, args.max_response_bytes, args.max_stream_buffer_bytes)
-            if st.limit_abort is not None:
-                logger.warning("aborting %s: %s", st.rid, st.limit_abort)
-                self._send_all(AbortReq(st.rid, st.limit_abort))
-
     def _observe_latency(self, st: ReqState, num_new: int, now: float) -> None:
-        if num_new == 0:
-            return
-        if self.metrics is not None:
-            if st.last_token_time is None:
+        if num_new and self.metrics is not None:   # TTFT for the first token, the gap for the others
+            first = st.last_token_time is None
+            if first:
                 self.metrics.observe_ttft(now - st.created)
-                num_new -= 1
-            gap = (now - (st.last_token_time or now)) / max(num_new, 1)
-            for _ in range(num_new):
-                self.metrics.observe_itl(gap)
-        st.last_token_time = now
+            for _ in range(num_new - first):
+                self.metrics.observe_itl((now - (st.last_token_time or now)) / max(num_new - first, 1))
+        st.last_token_time = now if num_new else st.last_token_time
 
     def _report_finished(self, st: ReqState, aborted: bool) -> None:
         rank = self._rank_of_rid.pop(st.rid, None)
