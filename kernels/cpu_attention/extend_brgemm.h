@@ -20,9 +20,10 @@
 //   o   [G*nr][Dv]   fp32       o * 2^(m_old - m) + p.[V | 1] (one brgemm with add_C); out = o / o[:, D]
 // npad: n rounded up to kKeyPad (the AMX tile depth for bf16). The products run on AMX tiles, on
 // vdpbf16ps (dpbf16_gemm.h, AVX512-BF16 without AMX: same packed layout) or, on neither, in brgemm's
-// plain gemm fallback, for which kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv]. A key block that several tasks read (a request with more than
-// one query block, or a prefix whose slots several requests share) is packed once into a shared
-// arena by whichever task needs it first (SharedBlocks); the others are packed by their task.
+// plain gemm fallback, for which kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv]. A key block that
+// several tasks read (a request with more than one query block, or a prefix whose slots several
+// requests share) is packed once into a shared arena by whichever task needs it first
+// (SharedBlocks); the others are packed by their task.
 //
 // P is rounded to bf16 before P.V and l sums the rounded values, so the weights the output uses sum
 // to exactly l. Results differ from extend()'s fp32 math by the bf16 rounding of P.
@@ -59,7 +60,7 @@ inline void prefetch_bytes(const void* p, int bytes) {
 // The micro-kernel of the block products: oneDNN's brgemm on AMX tiles, vdpbf16ps where the CPU has
 // AVX512-BF16 but no AMX (dpbf16_gemm.h), else torch's brgemm with its plain gemm fallback. The first
 // two take B VNNI-packed, the third plain. The best one this CPU runs is used unless a test forces
-// another (force_micro_kernel).
+// another (force_extend_brgemm_micro).
 enum class Micro { kAmx, kDpbf16, kGemm };
 const char* const kMicroNames[] = {"amx", "avx512_bf16", "gemm"};
 
@@ -424,9 +425,6 @@ void extend_brgemm(at::Tensor out, const at::Tensor& q, const at::Tensor& k, con
   if (a.bs == 0 || q.size(0) == 0) return;
   extend_brgemm_kernel(a, D);
 }
-
-// Whether brgemm runs on VNNI-packed operands here (AMX or AVX512-BF16) rather than its gemm fallback.
-bool extend_brgemm_packed() { return micro_kernel() != Micro::kGemm; }
 
 // The micro-kernel the block products run on: "amx", "avx512_bf16" or "gemm".
 std::string extend_brgemm_micro() { return kMicroNames[static_cast<int>(micro_kernel())]; }

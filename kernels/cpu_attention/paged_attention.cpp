@@ -16,8 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("prefix_lens"), py::arg("seq_lens"), py::arg("qo_indptr"),
         py::arg("scale"), py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
-  m.def("extend_brgemm_packed", &radixlm_attn::extend_brgemm_packed,
-        "whether brgemm runs on VNNI-packed operands (oneDNN ukernel, AMX) rather than its gemm fallback");
   m.def("extend_brgemm_micro", &radixlm_attn::extend_brgemm_micro,
         "the micro-kernel of extend_brgemm's products: amx, avx512_bf16 or gemm (torch's fallback)");
   m.def("force_extend_brgemm_micro", &radixlm_attn::force_extend_brgemm_micro,

@@ -15,6 +15,14 @@
 
 namespace radixlm_gemm {
 
+// Rows [0, MR) of x against gate block wg and up block wu into gate / up ([MR][kBlock] bf16 each).
+template <int MR>
+inline void gate_up_tile(const bf16* x, int64_t ldx, const bf16* wg, const bf16* wu, int64_t K2, bf16* gate,
+                         bf16* up) {
+  tile<MR>(x, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
+  tile<MR>(x, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
+}
+
 // x [M, K] bf16 (last dim contiguous), packed from pack() of the [2 * I, K] gate_up weight -> [M, I].
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t I) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
@@ -41,16 +49,11 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
         for (int64_t m = m0; m < m1; m += 4) {
           const int64_t mr = std::min<int64_t>(4, m1 - m);
           const bf16* xm = xp + m * ldx;
-          // the buffers' rows are kBlock apart; tile() stores columns [0, kBlock) of each
           switch (mr) {
-            case 4: tile<4>(xm, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-                    tile<4>(xm, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock); break;
-            case 3: tile<3>(xm, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-                    tile<3>(xm, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock); break;
-            case 2: tile<2>(xm, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-                    tile<2>(xm, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock); break;
-            default: tile<1>(xm, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-                     tile<1>(xm, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock); break;
+            case 4: gate_up_tile<4>(xm, ldx, wg, wu, K2, gate, up); break;
+            case 3: gate_up_tile<3>(xm, ldx, wg, wu, K2, gate, up); break;
+            case 2: gate_up_tile<2>(xm, ldx, wg, wu, K2, gate, up); break;
+            default: gate_up_tile<1>(xm, ldx, wg, wu, K2, gate, up); break;
           }
           for (int64_t r = 0; r < mr; ++r)
             radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
