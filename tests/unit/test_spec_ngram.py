@@ -2,14 +2,16 @@
 
 Greedy outputs must be identical token for token (radix cache on/off, page size 1 and 16, chunked
 prefill, a batch), stops and max_new_tokens that end inside an accepted run must truncate exactly,
-seeded sampling and penalties must see the same state, and the KV pool must be fully free after
-(SchedulerHarness.run asserts it). The prompts repeat themselves, so that proposals are accepted:
+seeded sampling and penalties must see the same state, unseeded sampling must keep its distribution
+(chi-square), and the KV pool must be fully free after (SchedulerHarness.run asserts it). The prompts repeat themselves, so that proposals are accepted:
 every comparison also asserts that some verify pass accepted proposals.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 
 import pytest
 from helpers import SchedulerHarness, random_prompts
@@ -308,6 +310,66 @@ def test_sampled_outputs_identical_over_many_seeds(llama_path):
     assert spec == plain
     assert h.scheduler.spec.totals.accepted_tokens > 0
     assert len({tuple(v[0]) for v in plain.values()}) > 1          # the seeds do give different texts
+
+
+def _sampled_sequences(path: str, seed: int, n: int, bias: float = 0.0, **args):
+    """The 6-token outputs of n unseeded requests (temperature 1, top-k 2) as a Counter. With `bias`,
+    a wrong verifier that adds `bias` to every proposal's logit before sampling (a mutant)."""
+    h = SchedulerHarness(path, max_running_requests=32, random_seed=seed, **args)
+    if bias:
+        spec = h.scheduler.spec
+        inner = spec._verify_sampled
+
+        def biased(reqs, drafts, logits):
+            out = []
+            for lg, draft in zip(logits, drafts):
+                lg = lg.clone()
+                for j, t in enumerate(draft):
+                    lg[j, t] += bias
+                out.append(lg)
+            return inner(reqs, drafts, out)
+
+        spec._verify_sampled = biased
+    for i in range(n):
+        h.submit(f"u{i}", _prompts()[1], max_new_tokens=6, temperature=1.0, top_k=2, ignore_eos=True)
+    res = h.run()
+    accepted = h.scheduler.spec.totals.accepted_tokens if h.scheduler.spec else 0
+    return collections.Counter(tuple(r["output_ids"]) for r in res.values()), accepted
+
+
+def _chi_square_same(a: collections.Counter, b: collections.Counter, z: float = 3.719) -> tuple[bool, str]:
+    """Two-sample chi-square test of homogeneity over whole output sequences; cells expected below 5
+    in either sample are pooled. True when equality is not rejected at p = 1e-4 (z = 3.719; the
+    critical value by the Wilson-Hilferty approximation, no scipy here)."""
+    na, nb = sum(a.values()), sum(b.values())
+    rows, other = [], [0, 0]
+    for cell in set(a) | set(b):
+        if (a[cell] + b[cell]) * min(na, nb) / (na + nb) >= 5:
+            rows.append((a[cell], b[cell]))
+        else:
+            other = [other[0] + a[cell], other[1] + b[cell]]
+    rows.append(tuple(other))
+    stat = sum((obs - (x + y) * n / (na + nb)) ** 2 / ((x + y) * n / (na + nb))
+               for x, y in rows if x + y for obs, n in ((x, na), (y, nb)))
+    df = len(rows) - 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical, f"chi2 {stat:.1f} on {df} df, critical {critical:.1f}"
+
+
+def test_unseeded_sampling_distribution_unchanged(llama_path):
+    # Unseeded draws differ run to run, so compare distributions: 1,500 sampled 6-token outputs with
+    # and without speculation (different RNG seeds), chi-square over whole sequences. The test's power
+    # is checked on a mutant verifier that favours proposals (+1 logit): it must be rejected.
+    n = 1500
+    plain, _ = _sampled_sequences(llama_path, 1, n)
+    spec, accepted = _sampled_sequences(llama_path, 2, n, **SPEC)
+    same, detail = _chi_square_same(plain, spec)
+    assert same, detail
+    assert accepted > n // 2, accepted          # proposals were accepted under sampling, often
+    assert len(plain) > 20                      # a distribution, not one sequence
+    wrong, _ = _sampled_sequences(llama_path, 2, n, bias=1.0, **SPEC)
+    same, detail = _chi_square_same(plain, wrong)
+    assert not same, f"the chi-square test did not see a verifier biased towards proposals: {detail}"
 
 
 def test_decode_log_line_reports_accept_length(llama_path, caplog):
