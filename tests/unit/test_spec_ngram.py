@@ -3,8 +3,9 @@
 Greedy outputs must be identical token for token (radix cache on/off, page size 1 and 16, chunked
 prefill, a batch), stops and max_new_tokens that end inside an accepted run must truncate exactly,
 seeded sampling and penalties must see the same state, unseeded sampling must keep its distribution
-(chi-square), and the KV pool must be fully free after (SchedulerHarness.run asserts it). The prompts repeat themselves, so that proposals are accepted:
-every comparison also asserts that some verify pass accepted proposals.
+(chi-square), and the KV pool must be fully free after (SchedulerHarness.run asserts it). The
+prompts repeat themselves, so that proposals are accepted: every comparison also asserts that some
+verify pass accepted proposals.
 """
 
 from __future__ import annotations
@@ -348,9 +349,13 @@ def _chi_square_same(a: collections.Counter, b: collections.Counter, z: float = 
             rows.append((a[cell], b[cell]))
         else:
             other = [other[0] + a[cell], other[1] + b[cell]]
-    rows.append(tuple(other))
-    stat = sum((obs - (x + y) * n / (na + nb)) ** 2 / ((x + y) * n / (na + nb))
-               for x, y in rows if x + y for obs, n in ((x, na), (y, nb)))
+    if sum(other):
+        rows.append(tuple(other))
+    stat = 0.0
+    for x, y in rows:
+        for obs, n in ((x, na), (y, nb)):
+            expected = (x + y) * n / (na + nb)
+            stat += (obs - expected) ** 2 / expected
     df = len(rows) - 1
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat < critical, f"chi2 {stat:.1f} on {df} df, critical {critical:.1f}"
