@@ -166,47 +166,34 @@ inline float half_at(const uint8_t* p, int64_t j) {
 // Rows `ids` of a repacked [n, k] weight, dequantized to fp32 exactly as ggml does: [len(ids), k].
 inline at::Tensor dequantize_rows(const at::Tensor& packed, int64_t type, int64_t n, int64_t k, const at::Tensor& ids) {
   const int64_t total = packed_bytes(type, n, k);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == total,
-              "cpu_quant dequantize_rows: the packed weight does not match ", n, " x ", k);
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "cpu_quant dequantize_rows: ids must be 1-D int64");
   const Layout L = layout(type);
-  const at::Tensor idc = ids.contiguous();
-  const int64_t rows = idc.numel(), kb = k / kQK;
-  at::Tensor out = at::empty({rows, k}, packed.options().dtype(at::kFloat));
-  const int64_t* ip = idc.data_ptr<int64_t>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "cpu_quant dequantize_rows: row ", ip[r], " out of range [0, ", n, ")");
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t g = ip[r] / kNR, j = ip[r] % kNR;
-      for (int64_t s = 0; s < kb; ++s) {
-        const uint8_t* o = wp + (g * kb + s) * L.total;
-        const float d = half_at(o + L.d, j);
-        const float dmin = type == Q6_K ? 0.f : half_at(o + L.dmin, j);
-        float* y = op + r * k + s * kQK;
-        for (int b = 0; b < 8; ++b)
-          for (int t = 0; t < 8; ++t)
-            for (int i = 0; i < 4; ++i) {
-              const int64_t lane = 4 * j + i;
-              int u = (o[256 * b + 64 * (t % 4) + lane] >> (t < 4 ? 0 : 4)) & 0x0F;
-              const int w = 32 * b + 4 * t + i;
-              if (type == Q6_K) {
-                u |= ((o[L.high + 128 * b + 64 * (t / 4) + lane] >> (2 * (t % 4))) & 3) << 4;
-                const float dsc = d * static_cast<float>(static_cast<int8_t>(o[L.sc + 16 * (w / 16) + j]));
-                y[w] = dsc * static_cast<float>(u - 32);
-                continue;
-              }
-              if (type == Q5_K) u |= ((o[L.high + 64 * b + 8 * t + lane / 8] >> (lane % 8)) & 1) << 4;
-              const float dsc = d * static_cast<float>(o[L.sc + 16 * b + j]);
-              const float dm = dmin * static_cast<float>(o[L.m + 16 * b + j]);
-              y[w] = dsc * static_cast<float>(u) - dm;
+  const int64_t kb = k / kQK;
+  return radixlm_quant::dequantize_rows_with(packed, total, n, k, ids, [&](const uint8_t* wp, int64_t id, float* row) {
+    const int64_t g = id / kNR, j = id % kNR;
+    for (int64_t s = 0; s < kb; ++s) {
+      const uint8_t* o = wp + (g * kb + s) * L.total;
+      const float d = half_at(o + L.d, j);
+      const float dmin = type == Q6_K ? 0.f : half_at(o + L.dmin, j);
+      float* y = row + s * kQK;
+      for (int b = 0; b < 8; ++b)
+        for (int t = 0; t < 8; ++t)
+          for (int i = 0; i < 4; ++i) {
+            const int64_t lane = 4 * j + i;
+            int u = (o[256 * b + 64 * (t % 4) + lane] >> (t < 4 ? 0 : 4)) & 0x0F;
+            const int w = 32 * b + 4 * t + i;
+            if (type == Q6_K) {
+              u |= ((o[L.high + 128 * b + 64 * (t / 4) + lane] >> (2 * (t % 4))) & 3) << 4;
+              const float dsc = d * static_cast<float>(static_cast<int8_t>(o[L.sc + 16 * (w / 16) + j]));
+              y[w] = dsc * static_cast<float>(u - 32);
+              continue;
             }
-      }
+            if (type == Q5_K) u |= ((o[L.high + 64 * b + 8 * t + lane / 8] >> (lane % 8)) & 1) << 4;
+            const float dsc = d * static_cast<float>(o[L.sc + 16 * b + j]);
+            const float dm = dmin * static_cast<float>(o[L.m + 16 * b + j]);
+            y[w] = dsc * static_cast<float>(u) - dm;
+          }
     }
   });
-  return out;
 }
 
 using radixlm_xquant::QuantizedRows;
@@ -286,15 +273,9 @@ inline void group_tile(const uint8_t* gp, int64_t kb, const int8_t* xq, const fl
         const __m512 dsc = _mm512_mul_ps(d, load_u8x16(o + L.sc + 16 * b));
         const __m512 dm = _mm512_mul_ps(dmin, load_u8x16(o + L.m + 16 * b));
         for (int m = 0; m < MR; ++m) {
-          const int32_t* xv = reinterpret_cast<const int32_t*>(xq + m * K + xb * kQB);
-          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-          for (int t = 0; t < 8; t += 2) {
-            s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(xv[t]));
-            s1 = _mm512_dpbusd_epi32(s1, w[t + 1], _mm512_set1_epi32(xv[t + 1]));
-          }
+          const __m512 sum = radixlm_quant::dot_block(w, xq + m * K + xb * kQB);
           const int64_t hb = 2 * (m * nb + xb);
           const float sx = dx[m * nb + xb] * static_cast<float>(half[hb] + half[hb + 1]);
-          const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
           acc[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dsc, _mm512_set1_ps(dx[m * nb + xb])), acc[m]);
           acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sx), acc[m]);
         }
@@ -306,39 +287,19 @@ inline void group_tile(const uint8_t* gp, int64_t kb, const int8_t* xq, const fl
 
 template <int64_t TYPE, typename T>
 void run(const QuantizedRows& xr, const uint8_t* wp, int64_t M, int64_t N, int64_t K, T* op) {
-  const int64_t kb = K / kQK, nb = K / kQB, groups = (N + kNR - 1) / kNR;
-  const int64_t gbytes = kb * layout(TYPE).total;
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, groups, (groups + threads - 1) / threads, [&](int64_t g0, int64_t g1) {
-    float tile[kMR][kNR];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * kNR, rows = std::min(kNR, N - n0);
-      const uint8_t* gp = wp + g * gbytes;
-      for (int64_t m = 0; m < M; m += kMR) {
-        const int64_t mr = std::min<int64_t>(kMR, M - m);
-        const int8_t* xq = xr.q.data() + m * K;
-        const float* dx = xr.dx.data() + m * nb;
-        const int32_t* half = xr.half.data() + 2 * m * nb;
-        switch (mr) {
-          case 4: group_tile<TYPE, 4>(gp, kb, xq, dx, half, K, tile); break;
-          case 3: group_tile<TYPE, 3>(gp, kb, xq, dx, half, K, tile); break;
-          case 2: group_tile<TYPE, 2>(gp, kb, xq, dx, half, K, tile); break;
-          default: group_tile<TYPE, 1>(gp, kb, xq, dx, half, K, tile); break;
-        }
-        for (int64_t i = 0; i < mr; ++i) radixlm_quant::store_row(tile[i], op + (m + i) * N + n0, rows);
-      }
-    }
-  });
+  const int64_t kb = K / kQK, nb = K / kQB;
+  radixlm_quant::for_each_tile(wp, kb * layout(TYPE).total, M, N, op,
+                               [&](auto mr, const uint8_t* gp, int64_t m, float (&sums)[kMR][kNR]) {
+                                 group_tile<TYPE, decltype(mr)::value>(gp, kb, xr.q.data() + m * K, xr.dx.data() + m * nb,
+                                                                       xr.half.data() + 2 * m * nb, K, sums);
+                               });
 }
 
 template <typename T>
 void dispatch(int64_t type, const QuantizedRows& xr, const uint8_t* wp, int64_t M, int64_t N, int64_t K, T* op) {
-  switch (type) {
-    case Q4_K: return run<Q4_K>(xr, wp, M, N, K, op);
-    case Q5_K: return run<Q5_K>(xr, wp, M, N, K, op);
-    case Q6_K: return run<Q6_K>(xr, wp, M, N, K, op);
-    default: TORCH_CHECK(false, "cpu_quant: unsupported GGUF k-quant type ", type);
-  }
+  const bool known = radixlm_quant::with_type<Q4_K, Q5_K, Q6_K>(
+      type, [&](auto t) { run<decltype(t)::value>(xr, wp, M, N, K, op); });
+  TORCH_CHECK(known, "cpu_quant: unsupported GGUF k-quant type ", type);
 }
 
 // x [M, K] bf16 or fp32 (contiguous last dim), a weight of any supported GGUF type packed by its

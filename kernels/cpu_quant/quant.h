@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace radixlm_quant {
@@ -132,14 +133,17 @@ inline void repack(const at::Tensor& raw, int64_t type, int64_t n, int64_t k, at
   });
 }
 
-// Rows `ids` of a repacked [n, k] weight, dequantized to fp32 exactly as ggml does: [len(ids), k].
-inline at::Tensor dequantize_rows(const at::Tensor& packed, int64_t type, int64_t n, int64_t k, const at::Tensor& ids) {
-  const Format f = checked_format(type);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == packed_bytes(type, n, k),
+// dequantize_rows for both headers (kquant.h's too): checks that `packed` holds `nbytes` for an [n, k]
+// weight and that every id is a row of it, then calls row(wp, id, y) in parallel to write the k fp32
+// weights of row `id` of the packed weight at wp into y -> [len(ids), k].
+template <typename Row>
+at::Tensor dequantize_rows_with(const at::Tensor& packed, int64_t nbytes, int64_t n, int64_t k, const at::Tensor& ids,
+                                Row&& row) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == nbytes,
               "cpu_quant dequantize_rows: the packed weight does not match ", n, " x ", k);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "cpu_quant dequantize_rows: ids must be 1-D int64");
   const at::Tensor idc = ids.contiguous();
-  const int64_t rows = idc.numel(), kb = k / kQK, gbb = f.group_block_bytes();
+  const int64_t rows = idc.numel();
   at::Tensor out = at::empty({rows, k}, packed.options().dtype(at::kFloat));
   const int64_t* ip = idc.data_ptr<int64_t>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -147,25 +151,32 @@ inline at::Tensor dequantize_rows(const at::Tensor& packed, int64_t type, int64_
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "cpu_quant dequantize_rows: row ", ip[r], " out of range [0, ", n, ")");
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t g = ip[r] / kNR, j = ip[r] % kNR;
-      for (int64_t b = 0; b < kb; ++b) {
-        const uint8_t* o = wp + (g * kb + b) * gbb;
-        const uint16_t* dd = reinterpret_cast<const uint16_t*>(o + f.code_bytes + f.high_bytes);
-        const float d = static_cast<float>(c10::Half(dd[j], c10::Half::from_bits()));
-        const float c = f.has_min ? static_cast<float>(c10::Half(dd[kNR + j], c10::Half::from_bits()))
-                                  : -static_cast<float>(f.zero) * d;
-        for (int t = 0; t < 8; ++t)
-          for (int i = 0; i < 4; ++i) {
-            const int64_t lane = 4 * j + i;
-            int u = type == Q8_0 ? o[64 * t + lane] : (o[64 * (t % 4) + lane] >> (t < 4 ? 0 : 4)) & 0x0F;
-            if (f.high_bytes) u |= ((o[f.code_bytes + 8 * t + lane / 8] >> (lane % 8)) & 1) << 4;
-            op[r * k + b * kQK + 4 * t + i] = d * static_cast<float>(u) + c;
-          }
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) row(wp, ip[r], op + r * k);
   });
   return out;
+}
+
+// Rows `ids` of a repacked [n, k] weight, dequantized to fp32 exactly as ggml does: [len(ids), k].
+inline at::Tensor dequantize_rows(const at::Tensor& packed, int64_t type, int64_t n, int64_t k, const at::Tensor& ids) {
+  const Format f = checked_format(type);
+  const int64_t kb = k / kQK, gbb = f.group_block_bytes();
+  return dequantize_rows_with(packed, packed_bytes(type, n, k), n, k, ids, [&](const uint8_t* wp, int64_t id, float* y) {
+    const int64_t g = id / kNR, j = id % kNR;
+    for (int64_t b = 0; b < kb; ++b) {
+      const uint8_t* o = wp + (g * kb + b) * gbb;
+      const uint16_t* dd = reinterpret_cast<const uint16_t*>(o + f.code_bytes + f.high_bytes);
+      const float d = static_cast<float>(c10::Half(dd[j], c10::Half::from_bits()));
+      const float c = f.has_min ? static_cast<float>(c10::Half(dd[kNR + j], c10::Half::from_bits()))
+                                : -static_cast<float>(f.zero) * d;
+      for (int t = 0; t < 8; ++t)
+        for (int i = 0; i < 4; ++i) {
+          const int64_t lane = 4 * j + i;
+          int u = type == Q8_0 ? o[64 * t + lane] : (o[64 * (t % 4) + lane] >> (t < 4 ? 0 : 4)) & 0x0F;
+          if (f.high_bytes) u |= ((o[f.code_bytes + 8 * t + lane / 8] >> (lane % 8)) & 1) << 4;
+          y[b * kQK + 4 * t + i] = d * static_cast<float>(u) + c;
+        }
+    }
+  });
 }
 
 using radixlm_xquant::QuantizedRows;
@@ -173,6 +184,18 @@ using radixlm_xquant::QuantizedRows;
 
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Row j's sum over one block of 32 of u * xq, for the 16 rows of a group as fp32 lanes: w the block's
+// unsigned codes as load_codes gives them, xb the block's 32 int8 activations (broadcast a quad at a time).
+inline __m512 dot_block(const __m512i w[8], const int8_t* xb) {
+  const int32_t* quads = reinterpret_cast<const int32_t*>(xb);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int t = 0; t < 8; t += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(quads[t]));
+    s1 = _mm512_dpbusd_epi32(s1, w[t + 1], _mm512_set1_epi32(quads[t + 1]));
+  }
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
 }
 
 // Unpacks block `o` of a group into 8 vectors of unsigned codes (quad t in w[t]).
@@ -214,13 +237,7 @@ inline void group_tile(const uint8_t* gp, int64_t kb, const int8_t* xq, const fl
     const __m512 d = load_half16(dd);
     const __m512 c = f.has_min != 0 ? load_half16(dd + kNR) : _mm512_mul_ps(d, _mm512_set1_ps(-float(f.zero)));
     for (int m = 0; m < MR; ++m) {
-      const int32_t* xb = reinterpret_cast<const int32_t*>(xq + m * K + b * kQK);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int t = 0; t < 8; t += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(xb[t]));
-        s1 = _mm512_dpbusd_epi32(s1, w[t + 1], _mm512_set1_epi32(xb[t + 1]));
-      }
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const __m512 s = dot_block(w, xq + m * K + b * kQK);
       acc[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx[m * kb + b])), acc[m]);
       acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[m * kb + b]), acc[m]);
     }
@@ -233,43 +250,55 @@ inline void store_row(const float* v, T* dst, int64_t count) {
   for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(v[j]);
 }
 
-template <int64_t TYPE, typename T>
-void run(const QuantizedRows& xr, const uint8_t* wp, int64_t M, int64_t N, int64_t K, T* op) {
-  const int64_t kb = K / kQK, groups = (N + kNR - 1) / kNR;
-  const int64_t gbytes = kb * format(TYPE).group_block_bytes();
+// The GEMV's loops over the output, for both headers (kquant.h's too): threads take contiguous ranges
+// of row groups; for group g (gbytes bytes at gp = wp + g * gbytes) and each run of MR <= kMR rows of
+// x from row m, tile(std::integral_constant<int, MR>{}, gp, m, sums) writes the fp32 sums[MR][kNR],
+// which are then stored to rows m .. m + MR - 1, columns 16g .. 16g + 15 (those < N) of op [M, N].
+template <typename T, typename Tile>
+void for_each_tile(const uint8_t* wp, int64_t gbytes, int64_t M, int64_t N, T* op, Tile&& tile) {
+  const int64_t groups = (N + kNR - 1) / kNR;
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, groups, (groups + threads - 1) / threads, [&](int64_t g0, int64_t g1) {
-    float tile[kMR][kNR];
+    float sums[kMR][kNR];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kNR, rows = std::min(kNR, N - n0);
+      const uint8_t* gp = wp + g * gbytes;
       for (int64_t m = 0; m < M; m += kMR) {
         const int64_t mr = std::min<int64_t>(kMR, M - m);
-        const int8_t* xq = xr.q.data() + m * K;
-        const float* dx = xr.dx.data() + m * kb;
-        const float* sx = xr.sx.data() + m * kb;
-        const uint8_t* gp = wp + g * gbytes;
         switch (mr) {
-          case 4: group_tile<TYPE, 4>(gp, kb, xq, dx, sx, K, tile); break;
-          case 3: group_tile<TYPE, 3>(gp, kb, xq, dx, sx, K, tile); break;
-          case 2: group_tile<TYPE, 2>(gp, kb, xq, dx, sx, K, tile); break;
-          default: group_tile<TYPE, 1>(gp, kb, xq, dx, sx, K, tile); break;
+          case 4: tile(std::integral_constant<int, 4>{}, gp, m, sums); break;
+          case 3: tile(std::integral_constant<int, 3>{}, gp, m, sums); break;
+          case 2: tile(std::integral_constant<int, 2>{}, gp, m, sums); break;
+          default: tile(std::integral_constant<int, 1>{}, gp, m, sums); break;
         }
-        for (int64_t i = 0; i < mr; ++i) store_row(tile[i], op + (m + i) * N + n0, rows);
+        for (int64_t i = 0; i < mr; ++i) store_row(sums[i], op + (m + i) * N + n0, rows);
       }
     }
   });
 }
 
+template <int64_t TYPE, typename T>
+void run(const QuantizedRows& xr, const uint8_t* wp, int64_t M, int64_t N, int64_t K, T* op) {
+  const int64_t kb = K / kQK;
+  for_each_tile(wp, kb * format(TYPE).group_block_bytes(), M, N, op,
+                [&](auto mr, const uint8_t* gp, int64_t m, float (&sums)[kMR][kNR]) {
+                  group_tile<TYPE, decltype(mr)::value>(gp, kb, xr.q.data() + m * K, xr.dx.data() + m * kb,
+                                                        xr.sx.data() + m * kb, K, sums);
+                });
+}
+
+// Calls f(std::integral_constant<int64_t, TYPE>{}) for the one TYPE of TYPES that equals `type` (the
+// run-time type to the template a kernel is instantiated for); false where none does.
+template <int64_t... TYPES, typename F>
+inline bool with_type(int64_t type, F&& f) {
+  return ((type == TYPES ? (f(std::integral_constant<int64_t, TYPES>{}), true) : false) || ...);
+}
+
 template <typename T>
 void dispatch(int64_t type, const QuantizedRows& xr, const uint8_t* wp, int64_t M, int64_t N, int64_t K, T* op) {
-  switch (type) {
-    case Q8_0: return run<Q8_0>(xr, wp, M, N, K, op);
-    case Q4_0: return run<Q4_0>(xr, wp, M, N, K, op);
-    case Q4_1: return run<Q4_1>(xr, wp, M, N, K, op);
-    case Q5_0: return run<Q5_0>(xr, wp, M, N, K, op);
-    case Q5_1: return run<Q5_1>(xr, wp, M, N, K, op);
-    default: TORCH_CHECK(false, "cpu_quant: unsupported GGUF type ", type);
-  }
+  const bool known = with_type<Q8_0, Q4_0, Q4_1, Q5_0, Q5_1>(
+      type, [&](auto t) { run<decltype(t)::value>(xr, wp, M, N, K, op); });
+  TORCH_CHECK(known, "cpu_quant: unsupported GGUF type ", type);
 }
 
 // x [M, K] bf16 or fp32 (contiguous last dim), packed from repack() -> [M, N] in x's dtype.
