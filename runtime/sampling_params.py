@@ -196,18 +196,12 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
                 raise ValueError("logit_bias values must be numbers")
             out[tid] = _finite_float("logit_bias values", v)
         return out
-    if name == "stop":
+    if name in ("stop", "stop_regex"):
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return list(value)
-        raise ValueError("stop must be a string or a list of strings")
-    if name == "stop_regex":
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return list(value)
-        raise ValueError("stop_regex must be a string or a list of strings")
+        raise ValueError(f"{name} must be a string or a list of strings")
     if name in ("structural_tag", "json_schema"):
         if isinstance(value, (str, dict)):
             return value

@@ -28,7 +28,7 @@ class ReasoningScan:
     content: str
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker (held back while streaming)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -60,7 +60,7 @@ class ReasoningParser:
         if end < 0:
             if final:
                 return ReasoningScan(body.strip(), "")
-            held = _partial_suffix(body, self.end)
+            held = partial_suffix(body, self.end)
             return ReasoningScan(body[:len(body) - held].strip(), "")
         return ReasoningScan(body[:end].strip(), body[end + len(self.end):].lstrip())
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .json_prefix import json_prefix_end
+from .reasoning import partial_suffix
 
 _DECODER = json.JSONDecoder()
 
@@ -93,13 +94,6 @@ def _call_from_json(obj: Any, names: set[str] | None, args_keys: tuple[str, ...]
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ToolCallParser:
     """Base: `scan` is the parser; `call_regex` the format a tool_choice constraint forces."""
 
@@ -140,7 +134,7 @@ class HermesParser(ToolCallParser):
             at = text.find(self.start, pos)
             if at < 0:
                 out.text(text[pos:])
-                return out.result(final, 0 if final else _partial_suffix(text[pos:], self.start))
+                return out.result(final, 0 if final else partial_suffix(text[pos:], self.start))
             out.text(text[pos:at])
             close = text.find(self.end, at)
             closed = close >= 0 or final
@@ -210,7 +204,7 @@ class Llama3Parser(_JsonListParser):
             if not final and (not stripped or self.marker.startswith(stripped)):
                 return ToolScan()
             out.text(text)
-            return out.result(final, 0 if final else _partial_suffix(text, self.marker))
+            return out.result(final, 0 if final else partial_suffix(text, self.marker))
         calls, end, complete = self._parse_calls(text, start, names)
         if not calls:
             if final:
@@ -257,7 +251,7 @@ class MistralParser(_JsonListParser):
         at = text.find(self.marker)
         if at < 0:
             out.text(text)
-            return out.result(final, 0 if final else _partial_suffix(text, self.marker))
+            return out.result(final, 0 if final else partial_suffix(text, self.marker))
         out.text(text[:at])
         start = at + len(self.marker)
         body = text[start:]
