@@ -71,20 +71,20 @@ def _register_custom_ops(mod) -> None:
         _registered[0].decode(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, num_splits,
                               window_left, logit_cap)
 
-    @torch.library.custom_op("radixlm::cpu_paged_extend", mutates_args=("out",), device_types="cpu")
-    def cpu_paged_extend(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
-                         req_pool_indices: Tensor, prefix_lens: Tensor, seq_lens: Tensor, qo_indptr: Tensor,
-                         scale: float, window_left: int = -1, logit_cap: float = 0.0) -> None:
-        _registered[0].extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens,
-                              qo_indptr, scale, window_left, logit_cap)
-
-    @torch.library.custom_op("radixlm::cpu_paged_extend_brgemm", mutates_args=("out",), device_types="cpu")
-    def cpu_paged_extend_brgemm(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
-                                req_pool_indices: Tensor, prefix_lens: Tensor, seq_lens: Tensor, qo_indptr: Tensor,
-                                scale: float, window_left: int = -1, logit_cap: float = 0.0) -> None:
-        _registered[0].extend_brgemm(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens,
-                                     qo_indptr, scale, window_left, logit_cap)
-
     cpu_paged_decode.register_fake(lambda *args: None)
-    cpu_paged_extend.register_fake(lambda *args: None)
-    cpu_paged_extend_brgemm.register_fake(lambda *args: None)
+    for method in ("extend", "extend_brgemm"):
+        _register_extend_op(method)
+
+
+def _register_extend_op(method: str) -> None:
+    """Registers torch.ops.radixlm.cpu_paged_<method>, calling the module's `method` (extend or
+    extend_brgemm: the same arguments)."""
+
+    @torch.library.custom_op(f"radixlm::cpu_paged_{method}", mutates_args=("out",), device_types="cpu")
+    def extend_op(out: Tensor, q: Tensor, k_buf: Tensor, v_buf: Tensor, req_to_token: Tensor,
+                  req_pool_indices: Tensor, prefix_lens: Tensor, seq_lens: Tensor, qo_indptr: Tensor,
+                  scale: float, window_left: int = -1, logit_cap: float = 0.0) -> None:
+        getattr(_registered[0], method)(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens,
+                                        seq_lens, qo_indptr, scale, window_left, logit_cap)
+
+    extend_op.register_fake(lambda *args: None)
