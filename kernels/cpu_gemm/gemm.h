@@ -88,12 +88,33 @@ inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t
   }
 }
 
+// The output and loops of linear() and gemm_silu.h's linear_silu_mul(), x and packed checked by them:
+// out = [M, n_out] bf16; rows of x in chunks of kRowChunk, and per chunk the `blocks` packed blocks
+// split into one contiguous range per thread; body(xp, ldx, wp, op, m0, m1, b0, b1) writes blocks
+// [b0, b1) for rows [m0, m1) (xp: x with row stride ldx, wp: the packed weight, op: out).
+template <typename Body>
+inline at::Tensor run_row_chunks(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, int64_t blocks,
+                                 Body&& body) {
+  const int64_t M = x.size(0), ldx = x.stride(0);
+  at::Tensor out = at::empty({M, n_out}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = (blocks + threads - 1) / threads;   // one contiguous range per thread
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { body(xp, ldx, wp, op, m0, m1, b0, b1); });
+  }
+  return out;
+}
+
 // x [M, K] bf16 (last dim contiguous, any row stride), packed from pack(), bias [N] bf16 or None
 // -> [M, N] bf16.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "gemm linear: x must be 2-D bf16 with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, blocks = (N + kBlock - 1) / kBlock;
+  const int64_t K = x.size(1), K2 = K / 2, blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.numel() == packed_numel(N, K),
               "gemm linear: the packed weight does not match x's ", K, " features and ", N, " outputs");
@@ -103,31 +124,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
                 "gemm linear: bias must be a contiguous bf16 [N]");
     bp = bias->data_ptr<bf16>();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = packed.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0);
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = (blocks + threads - 1) / threads;   // one contiguous range per thread
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t m1 = std::min(M, m0 + kRowChunk);
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const bf16* wb = wp + b * K2 * kBlock * 2;
-        const int64_t n0 = b * kBlock;
-        int64_t m = m0;
-        for (; m + 4 <= m1; m += 4) tile<4>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N);
-        switch (m1 - m) {
-          case 1: tile<1>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
-          case 2: tile<2>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
-          case 3: tile<3>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
-          default: break;
-        }
+  return run_row_chunks(x, packed, N, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t m0,
+                                                  int64_t m1, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* wb = wp + b * K2 * kBlock * 2;
+      const int64_t n0 = b * kBlock;
+      int64_t m = m0;
+      for (; m + 4 <= m1; m += 4) tile<4>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N);
+      switch (m1 - m) {
+        case 1: tile<1>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
+        case 2: tile<2>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
+        case 3: tile<3>(xp + m * ldx, ldx, wb, K2, n0, N, bp, op + m * N, N); break;
+        default: break;
       }
-    });
-  }
-  return out;
+    }
+  });
 }
 
 }  // namespace radixlm_gemm

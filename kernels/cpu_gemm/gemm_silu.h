@@ -27,41 +27,31 @@ inline void gate_up_tile(const bf16* x, int64_t ldx, const bf16* wg, const bf16*
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t I) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "gemm linear_silu_mul: x must be 2-D bf16 with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, blocks = I / kBlock;
+  const int64_t K = x.size(1), K2 = K / 2, blocks = I / kBlock;
   TORCH_CHECK(I % kBlock == 0 && K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.numel() == packed_numel(2 * I, K),
               "gemm linear_silu_mul: the packed gate_up weight does not match x's ", K, " features and 2 x ", I,
               " outputs (I a multiple of ", kBlock, ")");
-  at::Tensor out = at::empty({M, I}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = packed.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0);
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = (blocks + threads - 1) / threads;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t m1 = std::min(M, m0 + kRowChunk);
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      bf16 gate[4 * kBlock], up[4 * kBlock];
-      for (int64_t b = b0; b < b1; ++b) {
-        const bf16* wg = wp + b * K2 * kBlock * 2;
-        const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
-        for (int64_t m = m0; m < m1; m += 4) {
-          const int64_t mr = std::min<int64_t>(4, m1 - m);
-          const bf16* xm = xp + m * ldx;
-          switch (mr) {
-            case 4: gate_up_tile<4>(xm, ldx, wg, wu, K2, gate, up); break;
-            case 3: gate_up_tile<3>(xm, ldx, wg, wu, K2, gate, up); break;
-            case 2: gate_up_tile<2>(xm, ldx, wg, wu, K2, gate, up); break;
-            default: gate_up_tile<1>(xm, ldx, wg, wu, K2, gate, up); break;
-          }
-          for (int64_t r = 0; r < mr; ++r)
-            radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
+  return run_row_chunks(x, packed, I, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t m0,
+                                                  int64_t m1, int64_t b0, int64_t b1) {
+    bf16 gate[4 * kBlock], up[4 * kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* wg = wp + b * K2 * kBlock * 2;
+      const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
+      for (int64_t m = m0; m < m1; m += 4) {
+        const int64_t mr = std::min<int64_t>(4, m1 - m);
+        const bf16* xm = xp + m * ldx;
+        switch (mr) {
+          case 4: gate_up_tile<4>(xm, ldx, wg, wu, K2, gate, up); break;
+          case 3: gate_up_tile<3>(xm, ldx, wg, wu, K2, gate, up); break;
+          case 2: gate_up_tile<2>(xm, ldx, wg, wu, K2, gate, up); break;
+          default: gate_up_tile<1>(xm, ldx, wg, wu, K2, gate, up); break;
         }
+        for (int64_t r = 0; r < mr; ++r)
+          radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
       }
-    });
-  }
-  return out;
+    }
+  });
 }
 
 }  // namespace radixlm_gemm
