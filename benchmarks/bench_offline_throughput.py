@@ -217,10 +217,7 @@ def parse_engine_arg(text: str) -> tuple[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_offline_throughput.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="model folder (default: a random Qwen2-shaped bf16 model, see --model-size)")
-    p.add_argument("--model-size", default="0.5b", choices=sorted(common.MODEL_SHAPES),
-                   help="shape of the random model (default: %(default)s = hidden 896, 24 layers, 14/2 heads)")
-    p.add_argument("--vocab-size", type=int, help="vocabulary of the random model (default: the shape's, 151936)")
+    common.add_model_args(p)
     p.add_argument("--num-requests", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--min-input", type=int, default=32, help="(default: %(default)s)")
     p.add_argument("--max-input", type=int, default=512, help="(default: %(default)s)")

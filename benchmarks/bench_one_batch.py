@@ -184,10 +184,7 @@ def _batch_result(bs: int, input_len: int, prefill_s: float, steps: list[float])
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_one_batch.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="model folder (default: a random Qwen2-shaped model, see --model-size)")
-    p.add_argument("--model-size", default="0.5b", choices=sorted(common.MODEL_SHAPES),
-                   help="shape of the random model made when no --model-path is given (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, help="vocabulary of the random model (default: the shape's)")
+    common.add_model_args(p)
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float32", "float16"),
                    help="weight dtype (default: %(default)s)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="(default: %(default)s)")

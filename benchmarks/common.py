@@ -20,7 +20,13 @@ from common_load import (  # noqa: F401
     rss_breakdown,
     rss_bytes,
 )
-from common_models import MODEL_SHAPES, count_params, default_model_cache, make_qwen2_model  # noqa: F401
+from common_models import (  # noqa: F401
+    MODEL_SHAPES,
+    add_model_args,
+    count_params,
+    default_model_cache,
+    make_qwen2_model,
+)
 from common_results import (  # noqa: F401
     DEFAULT_OUTPUT_DIR,
     REPO_ROOT,

@@ -20,6 +20,16 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=2048),
 }
+def add_model_args(p: Any) -> None:
+    """Adds --model-path, and --model-size / --vocab-size for the random model that
+    `make_qwen2_model` builds when no --model-path is given, to the argparse parser `p`."""
+    p.add_argument("--model-path", help="model folder (default: a random Qwen2-shaped bf16 model, see --model-size)")
+    p.add_argument("--model-size", default="0.5b", choices=sorted(MODEL_SHAPES),
+                   help="shape of the random model made when no --model-path is given "
+                        "(default: %(default)s = hidden 896, 24 layers, 14/2 heads)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary of the random model (default: the shape's, 151936)")
+
+
 def default_model_cache() -> Path:
     return Path(os.environ.get("RADIXLM_BENCH_MODELS", Path(tempfile.gettempdir()) / "radixlm-bench-models"))
 

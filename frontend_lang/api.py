@@ -116,34 +116,28 @@ def separate_reasoning(expr: SglExpr, model_type: str = "qwen3") -> SglExpr:
     return SglExprList(items)
 
 
-def _typed_gen(dtype: type, name: str | None, **kwargs: Any) -> SglExpr:
-    return gen(name, dtype=dtype, **kwargs)
+def _typed_gen(dtype: type, fn_name: str, doc: str) -> Callable[..., SglExpr]:
+    """`gen(dtype=dtype)` as a function of its own (gen_int, gen_string), with gen's arguments
+    but min_tokens, dtype, choices, choices_method, regex and json_schema."""
+
+    def typed_gen(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+                  stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                  stop_regex: str | list[str] | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                  frequency_penalty: float | None = None, presence_penalty: float | None = None,
+                  ignore_eos: bool | None = None, return_logprob: bool | None = None,
+                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                  return_text_in_logprobs: bool | None = None) -> SglExpr:
+        kwargs = {k: v for k, v in locals().items() if k not in ("name", "dtype")}
+        return gen(name, dtype=dtype, **kwargs)
+
+    typed_gen.__name__ = typed_gen.__qualname__ = fn_name
+    typed_gen.__doc__ = doc
+    return typed_gen
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
-            stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-            stop_regex: str | list[str] | None = None, temperature: float | None = None,
-            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-            frequency_penalty: float | None = None, presence_penalty: float | None = None,
-            ignore_eos: bool | None = None, return_logprob: bool | None = None,
-            logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-            return_text_in_logprobs: bool | None = None) -> SglExpr:
-    """`gen(dtype=int)`: an integer (the variable holds its text)."""
-    kwargs = {k: v for k, v in locals().items() if k != "name"}
-    return _typed_gen(int, name, **kwargs)
-
-
-def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
-               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-               stop_regex: str | list[str] | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-               frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               ignore_eos: bool | None = None, return_logprob: bool | None = None,
-               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-               return_text_in_logprobs: bool | None = None) -> SglExpr:
-    """`gen(dtype=str)`: a double-quoted string."""
-    kwargs = {k: v for k, v in locals().items() if k != "name"}
-    return _typed_gen(str, name, **kwargs)
+gen_int = _typed_gen(int, "gen_int", "`gen(dtype=int)`: an integer (the variable holds its text).")
+gen_string = _typed_gen(str, "gen_string", "`gen(dtype=str)`: a double-quoted string.")
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backend.base import BaseBackend, default_backend_or_none, resolve_backend
 from .chat_template import ChatTemplate, get_chat_template
 from .interpreter import run_program, run_program_batch
-from .ir import default_sampling_params
+from .ir import RUN_SAMPLING_ARGS, RunSamplingArgs, default_sampling_params
 from .lint import warn_once
 from .tracer import (
     TraceResult,
@@ -17,6 +17,9 @@ from .tracer import (
     placeholder_arguments,
     trace_program,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # run_batch prefills the shared prefix once when it is at least this many characters long.
 MIN_BATCH_PREFIX_CHARS = 64
@@ -42,34 +45,11 @@ class SglFunction:
             raise TypeError(f"{self.__name__}() has no argument(s) {unknown}")
         return SglFunction(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
-    def run(
-        self,
-        *args: Any,
-        max_new_tokens: int = 128,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-        stream: bool = False,
-        backend: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Runs the program once and returns its ProgramState (at once when stream=True)."""
-        params = default_sampling_params(
-            max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
-            top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs)
+    def run(self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any) -> Any:
+        """Runs the program once and returns its ProgramState (at once when stream=True).
+        Keyword arguments named in `RunSamplingArgs` are sampling parameters; the rest go to the program."""
+        sampling = {name: kwargs.pop(name) for name in RUN_SAMPLING_ARGS if name in kwargs}
+        params = default_sampling_params(**sampling)
         kwargs = {**self.bind_arguments, **self._positional_to_kwargs(args), **kwargs}
         return run_program(self.func, resolve_backend(backend), (), kwargs, params, stream)
 
@@ -77,38 +57,21 @@ class SglFunction:
         self,
         batch_kwargs: list[dict[str, Any]] | list[list[Any]] | list[tuple[Any, ...]],
         *,
-        max_new_tokens: int = 128,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
         backend: Any = None,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
         generator_style: bool = False,
+        **sampling: Unpack[RunSamplingArgs],
     ) -> Any:
         """Runs the program for each kwargs dict concurrently; returns the states in order.
-        The prompt prefix all calls share is traced and prefilled once before the fan-out."""
+        `sampling`: as for run(). The prompt prefix all calls share is traced and prefilled once
+        before the fan-out."""
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch takes a list of kwargs dicts (or of positional-argument lists)")
+        params = default_sampling_params(**sampling)
         if not batch_kwargs:
             return []
         batch = [{**self.bind_arguments, **self._as_kwargs(item)} for item in batch_kwargs]
-        params = default_sampling_params(
-            max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
-            top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs)
         resolved = resolve_backend(backend)
         self._cache_batch_prefix(resolved, batch)
         return run_program_batch(self.func, resolved, batch, params, num_threads, progress_bar, generator_style)

@@ -12,7 +12,10 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # Regexes that `gen(dtype=...)` turns into constrained decoding (the same shapes as SGLang's).
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
@@ -100,8 +103,35 @@ class SglSamplingParams:
         return {name: getattr(self, name) for name in LOGPROB_FIELDS if getattr(self, name) is not None}
 
 
-def default_sampling_params(**kwargs: Any) -> SglSamplingParams:
-    """The run()-level defaults (SGLang's): 128 new tokens, temperature 1, no top-k/top-p/min-p."""
+class RunSamplingArgs(TypedDict, total=False):
+    """The sampling arguments of `run()` and `run_batch()` (SGLang's names); unset ones take the
+    defaults of `default_sampling_params`."""
+
+    max_new_tokens: int
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    ignore_eos: bool
+    return_logprob: bool | None
+    logprob_start_len: int | None
+    top_logprobs_num: int | None
+    return_text_in_logprobs: bool | None
+
+
+RUN_SAMPLING_ARGS = frozenset(RunSamplingArgs.__annotations__)
+
+
+def default_sampling_params(**kwargs: Unpack[RunSamplingArgs]) -> SglSamplingParams:
+    """The run()-level defaults (SGLang's): 128 new tokens, temperature 1, no top-k/top-p/min-p,
+    overridden by the non-None `kwargs`. TypeError for a name not in `RunSamplingArgs`."""
+    unknown = sorted(set(kwargs) - RUN_SAMPLING_ARGS)
+    if unknown:
+        raise TypeError(f"unexpected sampling argument(s) {unknown}")
     base = SglSamplingParams(max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
                              frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False)
     return base.merged(SglSamplingParams(**kwargs))

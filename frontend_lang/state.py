@@ -22,29 +22,21 @@ from .ir import (
 )
 
 
-class ProgramState:
-    """The state of one running program."""
-
-    def __init__(self, stream_executor: StreamExecutor) -> None:
-        self.stream_executor = stream_executor
-        self.ret_value: Any = None
-
-    # ---------------------------------------------------------------- appending
-    def __iadd__(self, other: Any) -> ProgramState:
-        self.stream_executor.submit(to_expr(other))
-        return self
+class RoleMethods:
+    """`s.system/user/assistant(...)`, written once for ProgramState and the tracer's stand-in;
+    both append with `+=`."""
 
     def _role(self, role: str, expr: Any | None) -> Any:
         if expr is None:
             return self._role_scope(role)
-        self.stream_executor.submit(SglRoleBegin(role) + to_expr(expr) + SglRoleEnd(role))
+        self += SglRoleBegin(role) + to_expr(expr) + SglRoleEnd(role)
         return None
 
     @contextmanager
     def _role_scope(self, role: str) -> Iterator[None]:
-        self.stream_executor.submit(SglRoleBegin(role))
+        self += SglRoleBegin(role)
         yield
-        self.stream_executor.submit(SglRoleEnd(role))
+        self += SglRoleEnd(role)
 
     def system(self, expr: Any | None = None) -> Any:
         """`s.system(text)` appends a system message; `with s.system():` wraps what is appended."""
@@ -55,6 +47,19 @@ class ProgramState:
 
     def assistant(self, expr: Any | None = None) -> Any:
         return self._role("assistant", expr)
+
+
+class ProgramState(RoleMethods):
+    """The state of one running program."""
+
+    def __init__(self, stream_executor: StreamExecutor) -> None:
+        self.stream_executor = stream_executor
+        self.ret_value: Any = None
+
+    # ---------------------------------------------------------------- appending
+    def __iadd__(self, other: Any) -> ProgramState:
+        self.stream_executor.submit(to_expr(other))
+        return self
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:

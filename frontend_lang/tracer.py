@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from .chat_template import ChatTemplate
 from .interpreter import PromptBuilder
-from .ir import SglExpr, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, leaves, to_expr
+from .ir import SglExpr, SglGen, SglSelect, leaves, to_expr
+from .state import RoleMethods
 
 ARG_OPEN, GEN_OPEN, MARK_CLOSE = "\ue000", "\ue002", "\ue001"
 _MARKERS = (ARG_OPEN, GEN_OPEN, MARK_CLOSE)
@@ -95,7 +96,7 @@ def split_segments(text: str) -> list[Segment]:
     return out
 
 
-class TracingState(PromptBuilder):
+class TracingState(PromptBuilder, RoleMethods):
     """Stands in for ProgramState during tracing: same methods, no backend."""
 
     def __init__(self, chat_template: ChatTemplate, stop_at_generation: bool) -> None:
@@ -128,28 +129,7 @@ class TracingState(PromptBuilder):
             if leaf.name is not None:
                 self.variables[leaf.name] = marker
 
-    # the ProgramState surface a program may touch while being traced
-    def _role(self, role: str, expr: Any | None) -> Any:
-        if expr is None:
-            return self._role_scope(role)
-        self += SglRoleBegin(role) + to_expr(expr) + SglRoleEnd(role)
-        return None
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self += SglRoleBegin(role)
-        yield
-        self += SglRoleEnd(role)
-
-    def system(self, expr: Any | None = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any | None = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any | None = None) -> Any:
-        return self._role("assistant", expr)
-
+    # the rest of the ProgramState surface a program may touch while being traced (roles: RoleMethods)
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:
         start = len(self.text_)

@@ -59,6 +59,14 @@ def server_fixture(*flags: str, model: str | Callable[[], str] = "llama_path", a
     return server
 
 
+def openai_client(server: ServerProcess, timeout: float = 120.0) -> Any:
+    """An `openai.OpenAI` client for the server's /v1 routes, without retries (for a server started
+    without an API key)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=timeout)
+
+
 def kv_state(server: ServerProcess) -> dict:
     """The scheduler's internal state from /get_server_info (KV free/evictable/total, req rows)."""
     return server.get_json("/get_server_info")["internal_states"][0]

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.agent_fixtures import SCHEMAS, TEMPLATES, TIME, TOOLS, WEATHER, agent_trace
-from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
+from tests.server_fixtures import ServerProcess, openai_client, server_fixture, wait_kv_free
 
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "16384",
          "--chat-template", str(TEMPLATES["hermes"]), "--tool-call-parser", "hermes")
@@ -28,7 +28,7 @@ thinking_server = server_fixture(*FLAGS, "--reasoning-parser", "qwen3", model="q
 
 @pytest.fixture(scope="module")
 def client(tools_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tools_server.url("/v1"), api_key="x", max_retries=0, timeout=300)
+    return openai_client(tools_server, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_bad_combinations_are_400(tools_server: ServerProcess, body: dict, field
 
 # ---------------------------------------------------------------------- reasoning
 def test_reasoning_split_streamed_and_not(thinking_server: ServerProcess) -> None:
-    c = openai.OpenAI(base_url=thinking_server.url("/v1"), api_key="x", max_retries=0, timeout=300)
+    c = openai_client(thinking_server, timeout=300)
     kw = dict(model="m", messages=USER, max_tokens=64, extra_body={"regex": "<think>a</think>b"})
     msg = c.chat.completions.create(**kw).choices[0].message
     assert (msg.model_extra["reasoning_content"], msg.content) == ("a", "b")
@@ -200,7 +200,7 @@ def test_reasoning_split_streamed_and_not(thinking_server: ServerProcess) -> Non
 
 
 def test_reasoning_server_still_enforces_named_tool(thinking_server: ServerProcess) -> None:
-    c = openai.OpenAI(base_url=thinking_server.url("/v1"), api_key="x", max_retries=0, timeout=300)
+    c = openai_client(thinking_server, timeout=300)
     messages = USER   # enable_thinking false puts an empty think block in the prompt
     r = c.chat.completions.create(model="m", messages=messages, tools=[TIME, WEATHER], max_tokens=400,
                                   tool_choice={"type": "function", "function": {"name": "get_time"}},

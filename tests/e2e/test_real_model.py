@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.real_model import CHAT_PROMPTS, chat_ids, hf_greedy_mismatch, hf_reference, smollm2_gguf
-from tests.server_fixtures import ServerProcess, server_fixture
+from tests.server_fixtures import ServerProcess, openai_client, server_fixture
 
 MAX_NEW = 24
 PAGE = 16
@@ -33,7 +33,7 @@ server = server_fixture("--dtype", "float32", "--disable-gguf-quant", "--page-si
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server, timeout=300)
 
 
 def generate(server: ServerProcess, **body) -> dict | list:

@@ -19,7 +19,7 @@ from radixlm.runtime.entrypoints.chat_template import (
     normalize_messages,
     resolve_chat_template,
 )
-from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
+from tests.server_fixtures import ServerProcess, openai_client, server_fixture, wait_kv_free
 
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--context-length", "512", "--max-total-tokens", "16384",
                 "--served-model-name", "tiny-llama")
@@ -31,7 +31,7 @@ server = server_fixture(*SERVER_FLAGS)
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -72,7 +73,8 @@ class PagedRunner:
         return self.model.compute_logits(hidden)
 
 
-def assert_prefill_extend_decode_match_hf(runner: PagedRunner, hf, vocab_size: int, tol: float) -> None:
+def assert_prefill_extend_decode_match_hf(runner: PagedRunner, hf, vocab_size: int,
+                                          tol: float = TOL) -> None:
     """Rows 0-2: one batched prefill of three prompts; row 3: prefill, extend over its cached prefix,
     then decodes. Every position's logits within `tol` of HF's."""
     prompts = random_prompts(vocab_size, [37, 5, 20], seed=1)
@@ -95,18 +97,69 @@ def assert_greedy_from_shared_prefix_matches_hf(runner: PagedRunner, hf, vocab_s
     runner.pool.req_to_token[1, :32] = runner.pool.req_to_token[0, :32]
     b = shared + tail_b
     ours = [int(runner.extend([1], [32], [tail_b])[-1].argmax())]
-    want = list(b)
-    want.append(int(hf_logits(hf, want)[-1].argmax()))
     for _ in range(new_tokens - 1):
         ours.append(int(runner.extend([1], [len(b) + len(ours) - 1], [[ours[-1]]])[-1].argmax()))
-        want.append(int(hf_logits(hf, want)[-1].argmax()))
-    assert ours == want[len(b):]
+    assert ours == hf_greedy_tokens(hf, b, new_tokens)
 
+
+def assert_engine_radix_cache_matches_hf(path: str, hf, vocab_size: int, lengths: list[int], context_length: int,
+                                         min_cached: int, new_tokens: int) -> None:
+    """Through the scheduler (radix cache on, chunked prefill of 32, page size 16): prompts made of
+    a shared prefix (lengths[0]) and each tail (lengths[1:]) decode HF's greedy tokens in two rounds,
+    and in the second every prompt finds at least `min_cached` tokens in the cache."""
+    from radixlm import Engine
+
+    shared, *tails = random_prompts(vocab_size, lengths, seed=6)
+    prompts = [shared + t for t in tails]
+    expected = [hf_greedy_tokens(hf, ids, new_tokens) for ids in prompts]
+    greedy = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    with Engine(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=32,
+                context_length=context_length, max_total_tokens=2048) as engine:
+        for attempt in range(2):
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+            assert [o["output_ids"] for o in outs] == expected, f"round {attempt}"
+        assert all(o["meta_info"]["cached_tokens"] >= min_cached for o in outs)
 
 
 def hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy_tokens(hf_model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """HF's n greedy tokens after `ids`, each from a full forward over the sequence so far (no KV cache)."""
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    return ids[-n:]
+
+
+# ----------------------------------------------------------------- tiny random HF checkpoints
+def save_random_hf_model(config, folder: Path, tokenizer_from: str | None = None,
+                         perturb: Callable[[str, torch.nn.Parameter], None] | None = None) -> torch.nn.Module:
+    """A random fp32 HF model built from `config` (torch seed 0), `perturb(name, param)` applied to
+    each parameter under no_grad, saved in `folder` with the tokenizer files of the model folder
+    `tokenizer_from`; returns the HF model in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if perturb is not None:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                perturb(name, p)
+    hf.save_pretrained(str(folder))
+    if tokenizer_from is not None:
+        for f in Path(tokenizer_from).iterdir():
+            if "token" in f.name or f.name.endswith(".jinja"):
+                shutil.copy(f, folder / f.name)
+    return hf.eval()
+
+
+def load_ours(path: str | Path, **config_kwargs) -> tuple[ModelConfig, torch.nn.Module]:
+    """Our config (ModelConfig.from_path with `config_kwargs`) and CPU model for the checkpoint at `path`."""
+    config = ModelConfig.from_path(str(path), **config_kwargs)
+    return config, load_model(config, "cpu", show_progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -10,25 +10,22 @@ one model through the Engine with the radix cache on.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from test_models_vs_hf import (
     PagedRunner,
     assert_greedy_from_shared_prefix_matches_hf,
+    assert_engine_radix_cache_matches_hf,
     assert_prefill_extend_decode_match_hf,
-    hf_logits,
+    load_ours,
     random_prompts,
+    save_random_hf_model,
 )
 
 from radixlm.runtime.layers.moe import SparseMoeBlock, route
 from radixlm.runtime.layers.packed_linear import pack_linear_weights
-from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.weight_loader import load_model
 
-TOL = 1e-3
 NEW_TOKENS = 6
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
               max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -50,26 +47,11 @@ def hf_config(name: str):
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "mixtral"])
 def moe_model(request, tmp_path_factory, llama_path: str):
-    from transformers import AutoModelForCausalLM
-
     folder = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config(request.param), dtype=torch.float32).save_pretrained(str(folder))
-    for f in Path(llama_path).iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, folder / f.name)
-    config = ModelConfig.from_path(str(folder))
+    hf = save_random_hf_model(hf_config(request.param), folder, tokenizer_from=llama_path)
+    config, model = load_ours(folder)
     assert config.moe is not None
-    model = load_model(config, "cpu", show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     return request.param, str(folder), config, model, hf
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    return ids[-n:]
 
 
 def test_layer_kinds_follow_the_config(moe_model) -> None:
@@ -85,7 +67,7 @@ def test_layer_kinds_follow_the_config(moe_model) -> None:
 def test_prefill_extend_decode_match_hf(moe_model, use_kernels: bool) -> None:
     _, _, config, model, hf = moe_model
     runner = PagedRunner(model, config, page_size=16, num_pages=64, use_kernels=use_kernels)
-    assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size, TOL)
+    assert_prefill_extend_decode_match_hf(runner, hf, config.vocab_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -142,15 +124,5 @@ def test_engine_radix_cache(moe_model) -> None:
     name, path, config, _, hf = moe_model
     if name != "qwen3_moe":
         pytest.skip("one architecture through the Engine is enough (the Engine start is slow here)")
-    from radixlm import Engine
-
-    shared, *tails = random_prompts(config.vocab_size, [40, 12, 20], seed=6)
-    prompts = [shared + t for t in tails]
-    expected = [hf_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
-    greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=32,
-                context_length=256, max_total_tokens=2048) as engine:
-        for attempt in range(2):
-            outs = engine.generate(input_ids=prompts, sampling_params=greedy)
-            assert [o["output_ids"] for o in outs] == expected, f"round {attempt}"
-        assert all(o["meta_info"]["cached_tokens"] >= 32 for o in outs)
+    assert_engine_radix_cache_matches_hf(path, hf, config.vocab_size, [40, 12, 20], context_length=256,
+                                         min_cached=32, new_tokens=NEW_TOKENS)

@@ -10,36 +10,26 @@ Engine with the radix cache and chunked prefill on.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
-from test_models_vs_hf import PagedRunner, random_prompts
-
-from radixlm.runtime.models.model_config import ModelConfig
-from radixlm.runtime.models.weight_loader import load_model
+from test_models_vs_hf import (
+    PagedRunner,
+    assert_engine_radix_cache_matches_hf,
+    hf_greedy_tokens,
+    hf_logits,
+    load_ours,
+    random_prompts,
+    save_random_hf_model,
+)
 
 WINDOW = 48
 NEW_TOKENS = 8
 TOL = 1e-3
 
 
-def _build(folder: Path, config, tokenizer_from: str) -> str:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(folder))
-    for f in Path(tokenizer_from).iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, folder / f.name)
-    return str(folder)
-
-
 @pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3"])
 def swa_model(request, tmp_path_factory, llama_path: str):
-    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import MistralConfig, Phi3Config, Qwen2Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2000, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
@@ -50,26 +40,12 @@ def swa_model(request, tmp_path_factory, llama_path: str):
         config = Phi3Config(**common, num_hidden_layers=2)
     else:
         config = Qwen2Config(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
-    path = _build(tmp_path_factory.mktemp(request.param), config, llama_path)
-    ours = ModelConfig.from_path(path)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_random_hf_model(config, folder, tokenizer_from=llama_path)
+    ours, model = load_ours(folder)
     assert ours.sliding_window == WINDOW
     assert ours.sliding_window_layers == ((1, 2) if request.param == "qwen2" else (0, 1))
-    model = load_model(ours, "cpu", show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return path, ours, model, hf
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
-
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+    return str(folder), ours, model, hf
 
 
 def our_greedy(runner: PagedRunner, row: int, ids: list[int], n: int, chunk: int | None = None,
@@ -94,7 +70,7 @@ def test_greedy_and_logits_match_hf_past_the_window(swa_model, use_kernels: bool
     for row, ids in enumerate(prompts):
         logits, tokens = our_greedy(runner, row, ids, NEW_TOKENS, chunk)
         assert (logits - hf_logits(hf, ids)).abs().max().item() <= TOL
-        assert tokens == hf_greedy(hf, ids, NEW_TOKENS), f"prompt {row} (len {len(ids)})"
+        assert tokens == hf_greedy_tokens(hf, ids, NEW_TOKENS), f"prompt {row} (len {len(ids)})"
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -110,23 +86,13 @@ def test_prefix_hit_equals_cold_prefill(swa_model, page_size: int) -> None:
     hit_logits, hit_tokens = our_greedy(runner, 1, b, NEW_TOKENS, prefix_len=64)
     cold_logits, cold_tokens = our_greedy(PagedRunner(model, config, page_size, num_pages=4096 // page_size),
                                           0, b, NEW_TOKENS)
-    assert hit_tokens == cold_tokens == hf_greedy(hf, b, NEW_TOKENS)
+    assert hit_tokens == cold_tokens == hf_greedy_tokens(hf, b, NEW_TOKENS)
     assert (hit_logits - cold_logits[64:]).abs().max().item() <= TOL
 
 
 def test_engine_radix_cache_and_chunked_prefill(swa_model) -> None:
     """Through the scheduler: radix cache on, chunked prefill of 32, page size 16; the second round
     is served from the cache and still equals HF."""
-    from radixlm import Engine
-
     path, config, _, hf = swa_model
-    shared, *tails = random_prompts(config.vocab_size, [80, 30, 45], seed=6)
-    prompts = [shared + t for t in tails]
-    expected = [hf_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
-    greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=32,
-                context_length=512, max_total_tokens=2048) as engine:
-        for attempt in range(2):
-            outs = engine.generate(input_ids=prompts, sampling_params=greedy)
-            assert [o["output_ids"] for o in outs] == expected, f"round {attempt}"
-        assert all(o["meta_info"]["cached_tokens"] >= 64 for o in outs)
+    assert_engine_radix_cache_matches_hf(path, hf, config.vocab_size, [80, 30, 45], context_length=512,
+                                         min_cached=64, new_tokens=NEW_TOKENS)
