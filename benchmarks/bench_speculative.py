@@ -6,24 +6,37 @@ closed loop: `--max-concurrency` requests in flight, a new one submitted as one 
     edit     rewrite a given Python function with one change (a renamed variable): the answer
              copies most of the prompt, the case prompt lookup is for. The functions are taken
              from radixlm's own source.
+    agent    bench_agent.py's multi-turn tool loop, in process: a system prompt with the tool
+             schemas (JSON), a user task, then --agent-turns steps; after each step the assistant's
+             answer and one tool result are appended to the history and the whole conversation is
+             re-rendered with the chat template and re-tokenized, as an OpenAI client and server
+             would. The tool results are real text (files of this repository) instead of
+             bench_agent's random text, so that quoting them back is possible; the tool calls are
+             not executed (each step's result is the next file, whatever was called).
     random   random token ids as the prompt: little to look up; speculation must cost ~nothing.
 
 Reported per workload and concurrency: output tok/s without and with speculation, the ratio, the
 mean accept length (tokens per verify pass), the verify passes, and whether every greedy output
-was identical with and without speculation. Between runs each scheduler's prefix cache is flushed.
+was identical with and without speculation (for agent, every step of every conversation; a step
+that differs changes the later steps' prompts). Between runs each scheduler's prefix cache is
+flushed; `--max-concurrency` counts requests in flight (agent: one step of each of that many
+conversations).
 
     python benchmarks/bench_speculative.py                         # SmolLM2-135M-Instruct (GGUF Q4_1)
     python benchmarks/bench_speculative.py --max-concurrency 1 16 --num-prompts 4 16
+    python benchmarks/bench_speculative.py --workloads agent --agent-turns 4   # prompts = conversations
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Generator, Iterator
 
 import common
 
@@ -64,6 +77,49 @@ def random_prompts(tokenizer, n: int, seed: int, length: int) -> list[list[int]]
     return [[rng.randrange(100, hi) for _ in range(length)] for _ in range(n)]
 
 
+AGENT_FILES = ("runtime/mem_cache/kv_manager.py", "runtime/managers/batch_planner.py",
+               "runtime/speculative/ngram.py", "runtime/layers/sampler.py", "runtime/managers/output_processor.py",
+               "runtime/mem_cache/radix_cache.py", "runtime/sampling_params.py", "runtime/managers/scheduler.py")
+AGENT_TASKS = ("Find where rejected draft tokens free their KV slots and explain it.",
+               "A request that is aborted keeps its KV slots. Find the bug and propose a fix.",
+               "Add a comment to every function that allocates KV slots, quoting its first line.",
+               "List the functions that touch the prefix cache and what each one does.")
+AGENT_FILE_CHARS = 1800         # a tool result: the first this many characters of the file
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def agent_conversation(tokenizer, c: int, turns: int, seed: int) -> Generator[list[int], list[int], None]:
+    """One conversation: yields each step's prompt, receives that step's output token ids."""
+    from bench_agent import TOOLS
+
+    rng = random.Random(seed * 1000 + c)
+    tools = json.dumps([t["function"] for t in TOOLS], indent=1)
+    messages = [
+        {"role": "system", "content": "You are a coding agent working in a Python repository. You can call these "
+         f"tools:\n{tools}\nTo call one, answer with <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}"
+         "</tool_call>. When you refer to code, quote the exact lines."},
+        {"role": "user", "content": AGENT_TASKS[c % len(AGENT_TASKS)]}]
+    files = rng.sample(AGENT_FILES, min(turns, len(AGENT_FILES)))
+    for turn in range(turns):
+        output = yield render(tokenizer, messages)
+        path = files[turn % len(files)]
+        messages.append({"role": "assistant", "content": tokenizer.decode(output, skip_special_tokens=True)})
+        messages.append({"role": "tool", "content": json.dumps(
+            {"name": "read_file", "path": path,
+             "content": (common.REPO_ROOT / path).read_text()[:AGENT_FILE_CHARS]})})
+
+
+def single_turn(prompt: list[int]) -> Iterator[list[int]]:
+    yield prompt
+
+
 class Driver:
     """One in-process scheduler, fed as a closed loop."""
 
@@ -82,39 +138,50 @@ class Driver:
                 if out.finish_reason is not None:
                     self.done.add(out.rid)
 
-    def run(self, prompts: list[list[int]], concurrency: int, max_new_tokens: int, tag: str) -> dict:
+    def run(self, conversations: list, concurrency: int, max_new_tokens: int, tag: str) -> dict:
+        """Serves every conversation (a generator of prompts, sent each step's output) with at most
+        `concurrency` requests in flight; a conversation's next step queues as its last one ends."""
         s = self.scheduler
         s.kv.flush()
         spec0 = (s.spec.totals.verify_ct, s.spec.totals.accepted_tokens) if s.spec else (0, 0)
         params = SamplingParams.from_dict(dict(max_new_tokens=max_new_tokens, temperature=0))
-        rids = [f"{tag}-{i}" for i in range(len(prompts))]
-        queue = list(zip(rids, prompts))
-        in_flight: set[str] = set()
+        queue = [(f"{tag}-{c}-0", next(conv), conv) for c, conv in enumerate(conversations)]
+        in_flight: dict[str, Generator] = {}
+        rids = []
         start = time.perf_counter()
         while queue or s.has_work():
             while queue and len(in_flight) < concurrency:
-                rid, prompt = queue.pop(0)
+                rid, prompt, conv = queue.pop(0)
                 s.handle(TokenizedGenerateReq(rid=rid, input_ids=list(prompt), sampling_params=params))
-                in_flight.add(rid)
+                in_flight[rid] = conv
+                rids.append(rid)
             s.step()
-            in_flight -= self.done
+            for rid in [r for r in in_flight if r in self.done]:
+                conv = in_flight.pop(rid)
+                try:
+                    prompt = conv.send(self.outputs[rid])
+                except StopIteration:
+                    continue
+                head, c, turn = rid.rsplit("-", 2)
+                queue.insert(0, (f"{head}-{c}-{int(turn) + 1}", prompt, conv))
         elapsed = time.perf_counter() - start
         tokens = sum(len(self.outputs[r]) for r in rids)
         verify = (s.spec.totals.verify_ct - spec0[0]) if s.spec else 0
         accepted = (s.spec.totals.accepted_tokens - spec0[1]) if s.spec else 0
-        return {"seconds": elapsed, "output_tokens": tokens, "tok_s": tokens / elapsed, "verify_ct": verify,
-                "accept_length": (accepted + verify) / verify if verify else None,
-                "outputs": [self.outputs[r] for r in rids]}
+        return {"seconds": elapsed, "requests": len(rids), "output_tokens": tokens, "tok_s": tokens / elapsed,
+                "verify_ct": verify, "accept_length": (accepted + verify) / verify if verify else None,
+                "outputs": {r: self.outputs[r] for r in rids}}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--workloads", nargs="+", default=["edit", "random"], choices=["edit", "random"])
+    p.add_argument("--workloads", nargs="+", default=["edit", "agent", "random"], choices=["edit", "agent", "random"])
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--num-prompts", type=int, nargs="+", default=[4, 16],
-                   help="prompts per --max-concurrency value (one count, or one per value)")
+                   help="prompts (agent: conversations) per --max-concurrency value (one count, or one per value)")
+    p.add_argument("--agent-turns", type=int, default=4, help="steps per agent conversation")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
@@ -141,22 +208,26 @@ def main(argv: list[str] | None = None) -> None:
     spec_args.validate()
     plain, spec = Driver(base), Driver(spec_args)
     tok = plain.scheduler.tokenizer
-    warm = random_prompts(tok, 2, 99, 32)
     for d in (plain, spec):
-        d.run(warm, 2, 8, "warm")
+        d.run([single_turn(p) for p in random_prompts(tok, 2, 99, 32)], 2, 8, "warm")
 
     rows, results = [], []
     with common.LoadMonitor() as load:
         for workload in args.workloads:
             for conc, n in zip(args.max_concurrency, counts):
-                prompts = (edit_prompts(tok, n, args.seed) if workload == "edit"
-                           else random_prompts(tok, n, args.seed, args.random_input_len))
+                def conversations():
+                    if workload == "agent":
+                        return [agent_conversation(tok, c, args.agent_turns, args.seed) for c in range(n)]
+                    prompts = (edit_prompts(tok, n, args.seed) if workload == "edit"
+                               else random_prompts(tok, n, args.seed, args.random_input_len))
+                    return [single_turn(p) for p in prompts]
+
                 tag = f"{workload}-c{conc}"
-                off = plain.run(prompts, conc, args.max_new_tokens, tag)
-                on = spec.run(prompts, conc, args.max_new_tokens, tag)
+                off = plain.run(conversations(), conc, args.max_new_tokens, tag)
+                on = spec.run(conversations(), conc, args.max_new_tokens, tag)
                 same = off.pop("outputs") == on.pop("outputs")
                 ratio = on["tok_s"] / off["tok_s"]
-                rows.append([workload, conc, n, off["tok_s"], on["tok_s"], ratio, on["accept_length"],
+                rows.append([workload, conc, on["requests"], off["tok_s"], on["tok_s"], ratio, on["accept_length"],
                              on["verify_ct"], "yes" if same else "NO"])
                 results.append({"workload": workload, "concurrency": conc, "num_prompts": n, "off": off, "on": on,
                                 "speedup": ratio, "greedy_identical": same})
@@ -171,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                          load.summary())
 
 
-HEADERS = ["workload", "concurrency", "prompts", "off tok/s", "on tok/s", "on/off", "accept len", "verify passes",
+HEADERS = ["workload", "concurrency", "requests", "off tok/s", "on tok/s", "on/off", "accept len", "verify passes",
            "greedy identical"]
 
 if __name__ == "__main__":
