@@ -20,7 +20,8 @@ mean accept length (tokens per verify pass), the verify passes, and whether ever
 was identical with and without speculation (for agent, every step of every conversation; a step
 that differs changes the later steps' prompts). Between runs each scheduler's prefix cache is
 flushed; `--max-concurrency` counts requests in flight (agent: one step of each of that many
-conversations).
+conversations). A conversation whose next prompt plus --max-new-tokens would not fit the model's
+context ends there (counted as "skipped" in the result file).
 
     python benchmarks/bench_speculative.py                         # SmolLM2-135M-Instruct (GGUF Q4_1)
     python benchmarks/bench_speculative.py --max-concurrency 1 16 --num-prompts 4 16
@@ -147,11 +148,14 @@ class Driver:
         params = SamplingParams.from_dict(dict(max_new_tokens=max_new_tokens, temperature=0))
         queue = [(f"{tag}-{c}-0", next(conv), conv) for c, conv in enumerate(conversations)]
         in_flight: dict[str, Generator] = {}
-        rids = []
+        rids, skipped = [], 0
         start = time.perf_counter()
         while queue or s.has_work():
             while queue and len(in_flight) < concurrency:
                 rid, prompt, conv = queue.pop(0)
+                if len(prompt) + max_new_tokens > s.runner.context_len:   # a conversation that outgrew the
+                    skipped += 1                                           # context ends before this step
+                    continue
                 s.handle(TokenizedGenerateReq(rid=rid, input_ids=list(prompt), sampling_params=params))
                 in_flight[rid] = conv
                 rids.append(rid)
@@ -168,7 +172,8 @@ class Driver:
         tokens = sum(len(self.outputs[r]) for r in rids)
         verify = (s.spec.totals.verify_ct - spec0[0]) if s.spec else 0
         accepted = (s.spec.totals.accepted_tokens - spec0[1]) if s.spec else 0
-        return {"seconds": elapsed, "requests": len(rids), "output_tokens": tokens, "tok_s": tokens / elapsed,
+        return {"seconds": elapsed, "requests": len(rids), "skipped": skipped, "output_tokens": tokens,
+                "tok_s": tokens / elapsed,
                 "verify_ct": verify, "accept_length": (accepted + verify) / verify if verify else None,
                 "outputs": {r: self.outputs[r] for r in rids}}
 

@@ -75,12 +75,17 @@ def test_bench_speculative(llama_path: str, tmp_path: Path) -> None:
     bench = load_bench("bench_speculative")
     bench.main(["--model-path", llama_path, "--dtype", "float32", "--max-concurrency", "1", "3", "--num-prompts", "1",
                 "3", "--max-new-tokens", "8", "--random-input-len", "16", "--max-total-tokens", "4096",
-                "--output-dir", str(tmp_path)])
+                "--agent-turns", "3", "--output-dir", str(tmp_path)])
     doc = read_result(tmp_path, "bench_speculative")
     assert [(r["workload"], r["concurrency"]) for r in doc["results"]] == [
-        ("edit", 1), ("edit", 3), ("random", 1), ("random", 3)]
+        ("edit", 1), ("edit", 3), ("agent", 1), ("agent", 3), ("random", 1), ("random", 3)]
     assert all(r["greedy_identical"] and r["on"]["output_tokens"] == r["off"]["output_tokens"] > 0
                for r in doc["results"])
+    agent = [r for r in doc["results"] if r["workload"] == "agent"]
+    # every conversation has its first step and more; one whose prompt outgrew the tiny model's context
+    # (2,048) ended instead of reaching the scheduler
+    assert all(r["num_prompts"] < r["on"]["requests"] <= 3 * r["num_prompts"] for r in agent)
+    assert sum(r["on"]["skipped"] for r in agent) > 0
 
 
 def test_bench_offline_throughput(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
