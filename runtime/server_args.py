@@ -146,12 +146,16 @@ class ServerArgs:
                                            "from the request's own prompt and output (prompt lookup, no draft "
                                            "model) and verifies them in one forward pass. Default: off.",
                                            ("ngram", "NGRAM"))
-    speculative_num_draft_tokens: int = _f(4, "Tokens proposed (and verified) per speculating request per step.")
+    speculative_num_draft_tokens: int = _f(6, "Most tokens proposed (and verified) per speculating request per step "
+                                           "(fewer where the measured cost says they do not pay).")
     speculative_ngram_min_match_window_size: int = _f(1, "Shortest n-gram (ending at the last token) that "
                                                       "must match earlier text to propose.")
     speculative_ngram_max_match_window_size: int = _f(12, "Longest n-gram compared; the longest match wins.")
     speculative_disable_by_batch_size: int = _f(2, "Do not speculate in steps with more decoding requests than "
                                                 "this (a verify pass is no longer nearly free; vLLM's name).")
+    disable_speculative_adaptive: bool = _f(False, "Verify all --speculative-num-draft-tokens proposals on "
+                                            "every match, instead of only as many as the measured step cost and "
+                                            "the request's acceptance say pay (for tests of the verify path).")
     # --- parallelism
     tp_size: int = _f(1, "Tensor-parallel ranks (one scheduler process each).")
     dp_size: int = _f(1, "Data-parallel replicas behind the router.")

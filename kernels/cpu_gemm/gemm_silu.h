@@ -15,12 +15,11 @@
 
 namespace radixlm_gemm {
 
-// Rows [0, MR) of x against gate block wg and up block wu into gate / up ([MR][kBlock] bf16 each).
-template <int MR>
-inline void gate_up_tile(const bf16* x, int64_t ldx, const bf16* wg, const bf16* wu, int64_t K2, bf16* gate,
-                         bf16* up) {
-  tile<MR>(x, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-  tile<MR>(x, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
+// Rows [0, rows) of x (at most kMaxTileRows) against gate block wg and up block wu into gate / up ([rows][kBlock] bf16 each).
+inline void gate_up_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* wg, const bf16* wu, int64_t K2,
+                         bf16* gate, bf16* up) {
+  block_rows(rows, x, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
+  block_rows(rows, x, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
 }
 
 // x [M, K] bf16 (last dim contiguous), packed from pack() of the [2 * I, K] gate_up weight -> [M, I].
@@ -34,19 +33,13 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
               " outputs (I a multiple of ", kBlock, ")");
   return run_row_chunks(x, packed, I, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t m0,
                                                   int64_t m1, int64_t b0, int64_t b1) {
-    bf16 gate[4 * kBlock], up[4 * kBlock];
+    bf16 gate[kMaxTileRows * kBlock], up[kMaxTileRows * kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const bf16* wg = wp + b * K2 * kBlock * 2;
       const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
-      for (int64_t m = m0; m < m1; m += 4) {
-        const int64_t mr = std::min<int64_t>(4, m1 - m);
-        const bf16* xm = xp + m * ldx;
-        switch (mr) {
-          case 4: gate_up_tile<4>(xm, ldx, wg, wu, K2, gate, up); break;
-          case 3: gate_up_tile<3>(xm, ldx, wg, wu, K2, gate, up); break;
-          case 2: gate_up_tile<2>(xm, ldx, wg, wu, K2, gate, up); break;
-          default: gate_up_tile<1>(xm, ldx, wg, wu, K2, gate, up); break;
-        }
+      for (int64_t m = m0, mr; m < m1; m += mr) {
+        mr = next_tile_rows(m1 - m);
+        gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up);
         for (int64_t r = 0; r < mr; ++r)
           radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
       }

@@ -36,13 +36,9 @@ inline void run_block(const bf16* x, int64_t ldx, int64_t rows, const bf16* pack
                       int64_t b, bf16* out, int64_t ldo) {
   const int64_t K2 = K / 2, n0 = b * kBlock;
   const bf16* wb = packed + b * K2 * kBlock * 2;
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) radixlm_gemm::tile<4>(x + m * ldx, ldx, wb, K2, n0, N, nullptr, out + m * ldo, ldo);
-  switch (rows - m) {
-    case 1: radixlm_gemm::tile<1>(x + m * ldx, ldx, wb, K2, n0, N, nullptr, out + m * ldo, ldo); break;
-    case 2: radixlm_gemm::tile<2>(x + m * ldx, ldx, wb, K2, n0, N, nullptr, out + m * ldo, ldo); break;
-    case 3: radixlm_gemm::tile<3>(x + m * ldx, ldx, wb, K2, n0, N, nullptr, out + m * ldo, ldo); break;
-    default: break;
+  for (int64_t m = 0, mr; m < rows; m += mr) {
+    mr = radixlm_gemm::next_tile_rows(rows - m);
+    radixlm_gemm::block_rows(mr, x + m * ldx, ldx, wb, K2, n0, N, nullptr, out + m * ldo, ldo);
   }
 }
 

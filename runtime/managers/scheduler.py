@@ -98,7 +98,11 @@ class Scheduler:
         batch = self.planner.plan(self.running, self.waiting)
         requeue(batch, self.running, self.waiting)
         if batch.reqs:
+            rows = self.spec.decode_rows(batch) if self.spec is not None else 0
+            start = time.perf_counter()
             self._run_batch(batch)
+            if rows:
+                self.spec.cost.observe(rows, time.perf_counter() - start)
         self._flush_outputs()
 
     def _run_batch(self, batch: StepBatch) -> None:

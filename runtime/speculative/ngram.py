@@ -31,13 +31,17 @@ class NgramIndex:
     def propose(self, tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         """Up to `k` proposed next tokens (empty when no n-gram of at least `min_n` tokens matches).
         `tokens` only grows between calls (prompt + output of one request)."""
+        return self.propose_with_match(tokens, k, min_n, max_n)[0]
+
+    def propose_with_match(self, tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+        """propose(), and the length of the n-gram that matched (0 without a proposal)."""
         L = len(tokens)
         if k <= 0 or L < min_n + 1:
-            return []
+            return [], 0
         self._index(tokens, L - 1)          # the last token is the pattern's end, not a candidate
         cands = self.positions.get(tokens[-1])
         if not cands:
-            return []
+            return [], 0
         best_len, best_end = 0, -1
         for end in reversed(cands[-MAX_CANDIDATES:]):      # most recent first
             n = 1
@@ -48,9 +52,9 @@ class NgramIndex:
                 if n >= max_n:
                     break
         if best_len < min_n:
-            return []
+            return [], 0
         out = tokens[best_end + 1: best_end + 1 + k]
         period = L - 1 - best_end          # a match close to the end: the text repeats with this period
         while len(out) < k:
             out.append(out[len(out) - period])
-        return out
+        return out, best_len

@@ -17,16 +17,30 @@ The KV of the last token and the accepted proposals is kept; the rejected propos
 back at once (`KVManager.trim_draft`), so the prefix cache never sees a rejected token.
 
 When it speculates (all else decodes plainly, through the one-call CPU decoder where it applies):
-a request that is decoding, has no grammar, has room left (max_new_tokens, context), and an n-gram
-match; the batch has at most --speculative-disable-by-batch-size decoding requests; and the
-request's recent acceptance pays for a verify pass (an exponential average of accepted proposals
-per verify; below MIN_ACCEPT it rests, for a back-off that doubles each time, then tries again).
-A request proposes at most about one token more than that average (each proposal is one more row
-of the pass), up to --speculative-num-draft-tokens.
+a request that is decoding, has no grammar, has room left (max_new_tokens, context) and an n-gram
+match, in a batch of at most --speculative-disable-by-batch-size decoding requests, and only as
+many proposals as pay for themselves. Each proposal is one more row of the step; whether a row
+pays depends on the machine, the model and the batch, so both sides are measured, not assumed:
+
+- `StepCost` learns the wall time of a decode step as a function of its rows from the steps the
+  scheduler runs (an average per row count, linear between the counts seen, and beyond the largest
+  one a prior of ROW_PRIOR of a step per row that the first steps there replace). At batch 1 on a
+  CPU a row costs a few percent of a step (the weights are read once for all rows); at batch 16
+  and above the step is bound by compute and a row costs about 1/rows of it.
+- Acceptance follows a geometric model: proposal j of a request is accepted with probability p^j,
+  p estimated from that request's recent passes (accepted proposals / (accepted + rejections)),
+  starting from the server's rate for matches of the same n-gram length.
+
+Per step, the proposals' rows are sorted by expected tokens (p^j) and the number of rows that
+maximises expected tokens per second (the decoding requests' own tokens plus the accepted ones,
+over StepCost's estimate) is taken, if it beats plain decoding by MIN_GAIN. A request whose
+proposals do not pay now is asked again next step, when the batch may have changed.
+`--disable-speculative-adaptive` verifies every proposal instead (tests of the verify path).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -36,20 +50,61 @@ from ..layers.sampler import argmax_rows
 from ..layers.sampling_batch_info import is_plain_greedy
 from .ngram import NgramIndex
 
-MIN_ACCEPT = 1.0        # accepted proposals per verify (average) below which a request rests
-EMA_DECAY = 0.7         # weight of the past in that average
-FIRST_REST = 4          # decode steps of the first rest; doubled each time, up to MAX_REST
-MAX_REST = 256
+ROW_PRIOR = 0.05        # a row's cost beyond the row counts measured, as a fraction of a step
+COST_DECAY = 0.8        # weight of the past in StepCost's per-row-count average
+ACCEPT_DECAY = 0.8      # weight of the past in a request's acceptance counts (per verify pass)
+SERVER_DECAY = 0.99     # the same for the server's counts per match length
+PRIOR_WEIGHT = 2.0      # proposals' worth of the server's rate in a request's estimate
+MATCH_BUCKETS = 4       # the server's rate is kept for matches of 1, 2, 3 and 4+ tokens
+MIN_GAIN = 0.02         # speculate only when the estimate beats plain decoding by this much
+
+
+class StepCost:
+    """Seconds of a decode step by its number of rows (decoding requests + proposals), learned
+    from the steps that ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self.rows: list[int] = []              # the keys of `seconds`, ascending
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        if old is None:
+            bisect.insort(self.rows, rows)
+            self.seconds[rows] = seconds
+        else:
+            self.seconds[rows] = COST_DECAY * old + (1 - COST_DECAY) * seconds
+
+    def curve(self, lo: int, hi: int) -> list[float]:
+        """Estimated seconds of steps of lo, lo + 1, ..., hi rows (empty before any step ran)."""
+        if not self.rows:
+            return []
+        known, t, out = self.rows, self.seconds, []
+        i = bisect.bisect_left(known, lo)
+        for r in range(lo, hi + 1):
+            while i < len(known) and known[i] < r:
+                i += 1
+            if i < len(known) and known[i] == r:
+                out.append(t[r])
+            elif i == 0:                                   # below every count seen: no cheaper
+                out.append(t[known[0]])
+            elif i == len(known):                          # beyond: the prior per row
+                last = known[-1]
+                out.append(t[last] * (1 + ROW_PRIOR * (r - last)))
+            else:
+                a, b = known[i - 1], known[i]
+                out.append(t[a] + (t[b] - t[a]) * (r - a) / (b - a))
+        return out
 
 
 @dataclass
 class SpecState:
-    """One request's proposer index and acceptance history (owned by the speculator)."""
+    """One request's proposer index and acceptance counts (owned by the speculator)."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    ema: float = 1.0                 # a first pass that accepts nothing starts a rest
-    rest: int = 0                    # decode steps left without proposing
-    next_rest: int = FIRST_REST
+    accepted: float = 0.0            # proposals accepted, decayed per verify pass
+    rejected: float = 0.0            # passes that ended on a rejected proposal, decayed likewise
+    bucket: int = 0                  # the current match's length bucket (server_counts' index)
 
 
 @dataclass
@@ -67,9 +122,12 @@ class NgramSpeculator:
         self.min_n = args.speculative_ngram_min_match_window_size
         self.max_n = args.speculative_ngram_max_match_window_size
         self.max_bs = args.speculative_disable_by_batch_size
+        self.adaptive = not args.disable_speculative_adaptive
         self.output = output
         self.kv = kv
         self.totals = SpecTotals()
+        self.cost = StepCost()
+        self.server_counts = [[0.0, 0.0] for _ in range(MATCH_BUCKETS)]   # [accepted, rejected]
 
     # ------------------------------------------------------------ propose
     def propose(self, running: list, context_len: int) -> None:
@@ -80,20 +138,53 @@ class NgramSpeculator:
             req.draft_ids = []
         if len(decoding) > self.max_bs:
             return
+        rows = []                                  # (expected tokens of the row, its request, draft)
         for req in decoding:
             if req.grammar is not None or req.to_abort is not None or req.finished:
+                continue
+            k = min(self.num_draft, req.remaining_new_tokens() - 1, context_len - req.seq_len)
+            if k <= 0:
                 continue
             st = req.spec_state
             if st is None:
                 st = req.spec_state = SpecState()
-            if st.rest > 0:
-                st.rest -= 1
-                continue
-            # each proposal costs a row of the pass: propose about one more than recently accepted
-            k = min(self.num_draft, int(st.ema) + 2, req.remaining_new_tokens() - 1, context_len - req.seq_len)
-            if k <= 0:
-                continue
-            req.draft_ids = st.index.propose(req.all_ids, k, self.min_n, self.max_n)
+            draft, n = st.index.propose_with_match(req.all_ids, k, self.min_n, self.max_n)
+            if draft:
+                st.bucket = min(n, MATCH_BUCKETS) - 1
+                p = self._accept_probability(st)
+                rows.extend((p ** (j + 1), req, draft) for j in range(len(draft)))
+        if not rows:
+            return
+        if not self.adaptive:
+            for _, req, draft in rows:
+                req.draft_ids = draft
+            return
+        rows.sort(key=lambda row: -row[0])
+        base = len(decoding)
+        cost = self.cost.curve(base, base + len(rows))
+        if not cost:
+            return                                 # nothing measured yet: one plain step first
+        plain = base / cost[0]
+        best, take, tokens = plain * (1 + MIN_GAIN), 0, float(base)
+        for n, (value, _, _) in enumerate(rows, 1):
+            tokens += value
+            if tokens / cost[n] > best:
+                best, take = tokens / cost[n], n
+        for _, req, draft in rows[:take]:          # a request's rows come in order (p^j falls with j)
+            req.draft_ids = draft[:len(req.draft_ids) + 1]
+
+    def decode_rows(self, batch) -> int:
+        """Rows of `batch`'s forward if every request in it decodes (StepCost's unit), else 0."""
+        if all(req.kv_committed_len >= req.prompt_len for req in batch.reqs):
+            return sum(batch.extend_lens)
+        return 0
+
+    def _accept_probability(self, st: SpecState) -> float:
+        """p of the geometric model: the request's counts, with PRIOR_WEIGHT proposals of the
+        server's rate for matches as long as the current one."""
+        acc, rej = self.server_counts[st.bucket]
+        server = (acc + 1) / (acc + rej + 2)
+        return (st.accepted + PRIOR_WEIGHT * server) / (st.accepted + st.rejected + PRIOR_WEIGHT)
 
     # ------------------------------------------------------------ forward
     def forward(self, batch, runner, req_to_token_pool, output) -> tuple:
@@ -205,13 +296,13 @@ class NgramSpeculator:
         t.verify_ct += 1
         t.draft_tokens += drafted
         t.accepted_tokens += accepted
+        rejected = 1.0 if accepted < drafted else 0.0
         st = req.spec_state
-        st.ema = EMA_DECAY * st.ema + (1 - EMA_DECAY) * accepted
-        if st.ema < MIN_ACCEPT:
-            st.rest, st.next_rest = st.next_rest, min(st.next_rest * 2, MAX_REST)
-            st.ema = MIN_ACCEPT      # after the rest, one more verify decides
-        elif accepted:
-            st.next_rest = FIRST_REST
+        st.accepted = ACCEPT_DECAY * st.accepted + accepted
+        st.rejected = ACCEPT_DECAY * st.rejected + rejected
+        server = self.server_counts[st.bucket]
+        server[0] = SERVER_DECAY * server[0] + accepted
+        server[1] = SERVER_DECAY * server[1] + rejected
 
     def accept_length(self) -> float:
         """Mean tokens per verify pass (accepted proposals + the model's own token), since start."""

@@ -21,7 +21,9 @@ from radixlm.runtime.managers.io_struct import TokenizedGenerateReq
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.speculative.ngram import NgramIndex
 
-SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, speculative_disable_by_batch_size=64)
+# every proposal verified: these tests check the verify path, whatever a row costs on the tiny model
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, speculative_disable_by_batch_size=64,
+            disable_speculative_adaptive=True)
 
 
 # ----------------------------------------------------------------- proposer
@@ -408,3 +410,55 @@ def test_small_pool_drops_proposals_then_preempts_and_stays_exact(llama_path, pa
     spec, h, rec = _run(llama_path, reqs, **kw, **SPEC)
     assert spec == plain
     assert h.scheduler.planner.stats().num_preemptions > 0 and rec.max_accepted() >= 1
+
+
+# ----------------------------------------------------------------- adaptive policy
+def test_step_cost_interpolates_and_assumes_the_prior_beyond():
+    from radixlm.runtime.speculative.ngram_spec import ROW_PRIOR, StepCost
+
+    cost = StepCost()
+    assert cost.curve(1, 3) == []
+    cost.observe(1, 10.0)
+    cost.observe(4, 13.0)
+    cost.observe(4, 13.0)
+    got = cost.curve(1, 6)
+    want = [10.0, 11.0, 12.0, 13.0, 13.0 * (1 + ROW_PRIOR), 13.0 * (1 + 2 * ROW_PRIOR)]
+    assert got == pytest.approx(want)
+    cost.observe(1, 20.0)                               # a running average, not the last sample
+    assert 10.0 < cost.curve(1, 1)[0] < 20.0
+
+
+def _decoding_req(rid: str, prompt: list[int], first: int):
+    from radixlm.runtime.managers.req import Req
+
+    req = Req(rid, list(prompt), SamplingParams.from_dict(dict(temperature=0, max_new_tokens=100)))
+    req.output_ids.append(first)
+    req.kv_committed_len = req.seq_len - 1
+    return req
+
+
+@pytest.mark.parametrize("row_cost,expect_rows", [(0.01, True), (1.0, False)])
+def test_adaptive_proposals_only_where_rows_pay(row_cost, expect_rows):
+    # A step of R rows takes 1 + row_cost * (R - 1): rows nearly free (a weight-bound CPU decode)
+    # make the speculator propose several tokens; rows that cost a whole step (compute-bound) none.
+    from radixlm.runtime.server_args import ServerArgs
+    from radixlm.runtime.speculative.ngram_spec import NgramSpeculator
+
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="ngram"), None, None)
+    for rows in range(1, 12):
+        spec.cost.observe(rows, 1 + row_cost * (rows - 1))
+    req = _decoding_req("a", [5, 6, 7, 8, 9] * 4, 5)       # "... 9 5" repeats: proposals 6 7 8 9 5 6
+    spec.propose([req], context_len=1000)
+    if expect_rows:
+        assert 3 <= len(req.draft_ids) <= 6 and req.draft_ids == [6, 7, 8, 9, 5, 6][:len(req.draft_ids)]
+    else:
+        assert req.draft_ids == []
+    # a request that has been accepting everything gets at least as many rows as a new one
+    spec.cost = type(spec.cost)()
+    for rows in range(1, 12):
+        spec.cost.observe(rows, 1 + 0.15 * (rows - 1))
+    good, new = _decoding_req("g", [5, 6, 7, 8, 9] * 4, 5), _decoding_req("n", [1, 2, 3, 4] * 5, 1)
+    spec.propose([good, new], context_len=1000)         # creates their states
+    good.spec_state.accepted, good.spec_state.rejected = 20.0, 0.0
+    spec.propose([good, new], context_len=1000)
+    assert len(good.draft_ids) >= len(new.draft_ids) and len(good.draft_ids) >= 1
