@@ -8,7 +8,7 @@ disabled or cannot be built; callers then use the torch code. The module has:
     extend(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, seq_lens, qo_indptr, scale,
            window_left=-1, logit_cap=0.0)
     extend_brgemm(...)      # extend's arguments and result, bf16 only, on the matrix units (extend_brgemm.h)
-    decode_num_splits(bs, max_seq_len), isa()
+    decode_num_splits(max_keys), isa()
     extend_brgemm_micro()   # what its products run on: "amx", "avx512_bf16" (dpbf16_gemm.h) or "gemm"
     force_extend_brgemm_micro(name)   # tests: "gemm" or the best one, until "auto"
 

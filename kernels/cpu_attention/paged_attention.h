@@ -44,6 +44,13 @@ constexpr int kMaxGroup = 16;   // query heads per kv head
 // rows are prefetched while this one is scored, and at batch 64 x 400 keys on a Zen 5 EPYC (2 threads,
 // scattered slots) decode took 0.46-0.63 ms per layer at 64 against 0.53-0.66 at 32 (128: 0.8).
 constexpr int kBlk = 64;
+constexpr int64_t kDecodeSplitLen = 512;     // keys per decode split (fewer: one split)
+constexpr int64_t kMaxDecodeSplits = 32;     // longer requests get longer splits
+
+// Keys per decode split of a request with `keys` visible keys (see decode_num_splits).
+inline int64_t decode_split_len(int64_t keys) {
+  return std::max(kDecodeSplitLen, (keys + kMaxDecodeSplits - 1) / kMaxDecodeSplits);
+}
 constexpr int kExtendQVecs = 64;  // query vectors (rows x group heads) per extend task
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 using bf16 = c10::BFloat16;
@@ -60,7 +67,8 @@ struct Args {
   const int64_t* seq_lens;
   const int64_t* prefix_lens;   // extend only
   const int64_t* qo_indptr;     // extend only
-  int64_t bs, H, KVH, G, S;     // S: kv splits (decode)
+  int64_t bs, H, KVH, G, S;     // S: kv splits (decode), the most any request has
+  bool split_by_len;            // decode: a request's splits hold decode_split_len(its keys) keys (else keys / S)
   int64_t window_left;          // -1: no sliding window
   float scale;
   float logit_cap;              // > 0: scores soft-capped, cap * tanh(s / cap)
@@ -265,7 +273,7 @@ void decode_kernel(const Args& a) {
       const int64_t L = a.seq_lens[b];
       // keys [first, L) are visible to the one query at position L - 1; split S ways
       const int64_t first = a.window_left >= 0 ? std::max<int64_t>(0, L - 1 - a.window_left) : 0;
-      const int64_t chunk = (L - first + a.S - 1) / a.S;
+      const int64_t chunk = a.split_by_len ? decode_split_len(L - first) : (L - first + a.S - 1) / a.S;
       const int64_t j_begin = std::min(L, first + sp * chunk), j_end = std::min(L, j_begin + chunk);
       const int32_t* tok = a.table + a.rows[b] * a.table_s0;
       const auto* qb = static_cast<const char*>(a.q);
@@ -442,15 +450,14 @@ Args make_args(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const 
 
 }  // namespace
 
-// Splits per request for decode: enough (request, split) tasks to keep every thread busy, with
-// at least kMinSplitLen keys per split.
-int64_t decode_num_splits(int64_t bs, int64_t max_seq_len) {
-  constexpr int64_t kMinSplitLen = 64;
-  const int64_t want_tasks = 8 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t work = std::max<int64_t>(1, bs);
-  if (work >= want_tasks) return 1;
-  const int64_t s = (want_tasks + work - 1) / work;
-  return std::max<int64_t>(1, std::min(s, max_seq_len / kMinSplitLen));
+// Splits per request for decode: a request's keys go in splits of decode_split_len(keys) keys, a
+// length that depends on that request alone, never on the batch. So a request's attention output has
+// the same bits whatever else is in the batch: decoding alone, beside others, or as one of the rows of
+// a speculative verify pass (whose greedy tokens must equal plain decoding's, bf16 included).
+int64_t decode_num_splits(int64_t max_keys) {
+  const int64_t keys = std::max<int64_t>(1, max_keys);
+  const int64_t len = decode_split_len(keys);
+  return (keys + len - 1) / len;
 }
 
 void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
@@ -464,7 +471,9 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   if (a.bs == 0) return;
   const int64_t max_len = *std::max_element(a.seq_lens, a.seq_lens + a.bs);
   const int64_t max_keys = window_left >= 0 ? std::min<int64_t>(max_len, window_left + 1) : max_len;
-  a.S = num_splits > 0 ? num_splits : decode_num_splits(a.bs, max_keys);
+  // num_splits > 0 (tests): every request's keys in that many equal splits
+  a.split_by_len = num_splits <= 0;
+  a.S = num_splits > 0 ? num_splits : decode_num_splits(max_keys);
   at::Tensor part_o, part_lse;
   if (a.S > 1) {
     part_o = at::empty({a.bs, a.H, a.S, D}, q.options().dtype(at::kFloat));

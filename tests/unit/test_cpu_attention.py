@@ -111,10 +111,28 @@ def test_decode_split_kv(num_splits, dtype):
     check(fb, q, layer, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_is_batch_invariant(dtype):
+    """A request's output has the same bits alone and in any batch (the splits depend on its own
+    length): what makes greedy speculative decoding exact in bf16 (a verify pass is a batch of rows)."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    lens = [(s - 1, s) for s in (5, 130, 700, 3000, 6000, 90)]
+    fb, q = make_batch(lens, 16, heads, kv_heads, head_dim, dtype, seed=11, mode=ForwardMode.DECODE)
+    args = (fb.kv_cache.k_buffer[0], fb.kv_cache.v_buffer[0], fb.req_to_token_pool.req_to_token)
+    together = torch.empty_like(q)
+    KERNELS.decode(together, q, *args, fb.req_pool_indices, fb.seq_lens, 0.125, 0)
+    for i in range(len(lens)):
+        for rows in ([i], [i, 0], [3, i]):
+            idx = torch.tensor(rows)
+            out = torch.empty_like(q[idx])
+            KERNELS.decode(out, q[idx].contiguous(), *args, fb.req_pool_indices[idx], fb.seq_lens[idx], 0.125, 0)
+            assert torch.equal(out[rows.index(i)], together[i]), (i, rows)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])
 def test_decode_long_context_auto_splits(heads, kv_heads):
     """Batch 1 at a long context: the kernel picks split-KV on its own."""
-    assert KERNELS.decode_num_splits(1, 3000) > 1
+    assert KERNELS.decode_num_splits(3000) > 1
     fb, q = make_batch([(2999, 3000)], 1, heads, kv_heads, 64, torch.bfloat16, seed=5, mode=ForwardMode.DECODE)
     layer = RadixAttention(0, heads, kv_heads, 64, 0.125)
     check(fb, q, layer, run(fb, q, layer, kernel_backend()))
