@@ -137,3 +137,30 @@ def test_four_turn_chat_uses_model_template_and_prefix_cache(client: openai.Open
             assert previous_prompt // PAGE * PAGE <= cached < usage.prompt_tokens
         previous_prompt = usage.prompt_tokens
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+# ------------------------------------------------------------------ speculative decoding
+def test_speculative_greedy_identical_in_bf16() -> None:
+    # SmolLM2 in bf16 (weights dequantized from the GGUF), greedy with and without n-gram speculation:
+    # identical tokens, with proposals verified and accepted (a code edit copies its prompt). bf16 is
+    # the hard case: a verify row must get a plain decode's bits (batch-invariant kernels).
+    import inspect
+
+    from radixlm import Engine
+    from radixlm.runtime.speculative.ngram import NgramIndex
+
+    _, tokenizer = hf_reference()
+    code = inspect.getsource(NgramIndex.propose_with_match)
+    ids = [chat_ids(tokenizer, "Rewrite this Python method with `tokens` renamed to `ids`. Output only the "
+                               f"code.\n\n```python\n{code}```"), prompt_ids()[0]]
+    params = {"temperature": 0, "max_new_tokens": 64}
+    outs = []
+    for spec in ({}, {"speculative_algorithm": "ngram"}):
+        with Engine(model_path=smollm2_gguf(), dtype="bfloat16", disable_gguf_quant=True, context_length=2048,
+                    max_total_tokens=4096, **spec) as engine:
+            outs.append(engine.generate(input_ids=ids, sampling_params=params))
+    plain, spec = outs
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    meta = spec[0]["meta_info"]
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.5, meta
+    assert "spec_verify_ct" not in plain[0]["meta_info"] or plain[0]["meta_info"]["spec_verify_ct"] == 0
