@@ -17,7 +17,7 @@ The KV of the last token and the accepted proposals is kept; the rejected propos
 back at once (`KVManager.trim_draft`), so the prefix cache never sees a rejected token.
 
 When it speculates (all else decodes plainly, through the one-call CPU decoder where it applies):
-a request that is decoding, has no grammar, has room left (max_new_tokens, context) and an n-gram
+a request that is decoding, has room left (max_new_tokens, context) and an n-gram
 match, in a batch of at most --speculative-disable-by-batch-size decoding requests, and only as
 many proposals as pay for themselves. Each proposal is one more row of the step; whether a row
 pays depends on the machine, the model and the batch, so both sides are measured, not assumed:
@@ -140,7 +140,7 @@ class NgramSpeculator:
             return
         rows = []                                  # (expected tokens of the row, its request, draft)
         for req in decoding:
-            if req.grammar is not None or req.to_abort is not None or req.finished:
+            if req.to_abort is not None or req.finished:
                 continue
             k = min(self.num_draft, req.remaining_new_tokens() - 1, context_len - req.seq_len)
             if k <= 0:
@@ -251,7 +251,7 @@ class NgramSpeculator:
         return total
 
     def _plain_greedy(self, reqs: list) -> bool:
-        return not any(r.return_logprob for r in reqs) and is_plain_greedy(
+        return not any(r.return_logprob or r.grammar is not None for r in reqs) and is_plain_greedy(
             [r.sampling_params for r in reqs], [r.output_ids for r in reqs])
 
     def _verify_greedy(self, reqs: list, drafts: list[list[int]], logits: list[torch.Tensor]) -> list[int]:
@@ -273,7 +273,9 @@ class NgramSpeculator:
         return out
 
     def _verify_sampled(self, reqs: list, drafts: list[list[int]], logits: list[torch.Tensor]) -> list[int]:
-        """Position by position, the still-accepting requests sampled together with their real state."""
+        """Position by position, the still-accepting requests sampled together with their real state
+        (a grammar's mask is the matcher's state after the tokens accepted so far, and the matcher
+        advances only over accepted tokens; a jump-forward after one ends the request's run there)."""
         appended = [0] * len(reqs)
         active = list(range(len(reqs)))
         j = 0
@@ -282,9 +284,11 @@ class NgramSpeculator:
             batch = [reqs[i] for i in active]
             still = []
             for i, req, tid in zip(active, batch, self.output.sample(batch, rows)):
+                before = len(req.output_ids)
                 self.output.append_token(req, tid)
                 appended[i] += 1
-                if not (req.finished or j >= len(drafts[i]) or tid != drafts[i][j]):
+                jumped = len(req.output_ids) > before + 1    # grammar jump-forward: the proposals no longer follow
+                if not (req.finished or jumped or j >= len(drafts[i]) or tid != drafts[i][j]):
                     still.append(i)
             active, j = still, j + 1
         return appended

@@ -289,16 +289,28 @@ def test_speculation_off_above_the_batch_size_limit(llama_path):
     assert h.scheduler.spec.totals.verify_ct == 0
 
 
-def test_grammar_requests_do_not_speculate_and_match(llama_path):
-    schema = '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}, ' \
-             '"required": ["a", "b"]}'
-    reqs = [("json", _prompts()[0], dict(max_new_tokens=60, temperature=0, json_schema=schema)),
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_grammar_requests_speculate_and_match(llama_path, jump_forward):
+    # Proposals of a constrained request are verified under the grammar's mask of each position (the
+    # matcher advanced only over accepted tokens); a jump-forward ends the run. Greedy outputs equal
+    # plain decoding's, with and without jump-forward (outlines; xgrammar's matcher has the same
+    # interface: tests/unit/grammar).
+    import json
+
+    schema = '{"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "array", "items": ' \
+             '{"type": "string", "enum": ["xy", "xy xy"]}, "minItems": 4, "maxItems": 6}}, "required": ["a", "b"]}'
+    reqs = [("json", _prompts()[0], dict(max_new_tokens=80, temperature=0, json_schema=schema)),
+            ("regex", _prompts()[2], dict(max_new_tokens=40, temperature=0, regex="((ab|cd) ){12}")),
             ("plain", _prompts()[1], dict(max_new_tokens=40, temperature=0, ignore_eos=True))]
-    plain, _, _ = _run(llama_path, reqs)
-    spec, h, rec = _run(llama_path, reqs, **SPEC)
+    kw = dict(disable_jump_forward=not jump_forward)
+    plain, _, _ = _run(llama_path, reqs, **kw)
+    spec, h, rec = _run(llama_path, reqs, **kw, **SPEC)
     assert spec == plain
-    assert {e[0] for e in rec.events} == {"plain"}          # the constrained request never speculated
-    assert h.results["json"]["last"].spec_verify_ct == 0
+    text = h.scheduler.tokenizer.decode(spec["json"][0], skip_special_tokens=True)
+    assert json.loads(text)["b"]                            # a complete document (finished on the grammar)
+    constrained = [e for e in rec.events if e[0] in ("json", "regex")]
+    assert constrained and h.results["json"]["last"].spec_verify_ct + h.results["regex"]["last"].spec_verify_ct > 0
+    assert any(list(_accepted(e[1], e[2])) for e in constrained), constrained   # some proposals accepted
 
 
 def test_sampled_outputs_identical_over_many_seeds(llama_path):
