@@ -50,6 +50,14 @@ class AbortReq:
 
 
 @dataclass
+class StepTime:
+    """Rank 0's wall time of a decode step of `rows` rows, broadcast with the step's messages when
+    TP > 1 so that every rank's speculator learns the same costs (and plans the same batches)."""
+    rows: int
+    seconds: float
+
+
+@dataclass
 class FlushCacheReq:
     pass
 

@@ -38,6 +38,7 @@ from .io_struct import (
     GetInternalStateReq,
     OpenSessionReq,
     SchedulerStats,
+    StepTime,
     TokenizedGenerateReq,
 )
 from .output_processor import OutputProcessor
@@ -77,6 +78,7 @@ class Scheduler:
         self.last_stats = 0.0
         self.log = BatchLog(server_args.decode_log_interval)
         self.spec = None
+        self.step_times: list[StepTime] = []     # TP > 1, rank 0: decode step costs not yet broadcast
         if server_args.speculative_algorithm:
             from ..speculative.ngram_spec import NgramSpeculator
 
@@ -102,8 +104,20 @@ class Scheduler:
             start = time.perf_counter()
             self._run_batch(batch)
             if rows:
-                self.spec.cost.observe(rows, time.perf_counter() - start)
+                self._observe_step(rows, time.perf_counter() - start)
         self._flush_outputs()
+
+    def _observe_step(self, rows: int, seconds: float) -> None:
+        """Teaches the speculator a decode step's cost. With TP > 1 only rank 0's measurement counts:
+        it goes out with the next step's messages (drain_step_times) and every rank applies it there."""
+        if self.args.tp_size == 1:
+            self.spec.cost.observe(rows, seconds)
+        elif self.tp_rank == 0:
+            self.step_times.append(StepTime(rows, seconds))
+
+    def drain_step_times(self) -> list:
+        out, self.step_times = self.step_times, []
+        return out
 
     def _run_batch(self, batch: StepBatch) -> None:
         self.log.batch(self, batch)
@@ -199,6 +213,8 @@ class Scheduler:
                 self.sessions.close(msg.session_id)
             else:
                 self.sessions.release(msg.session_id, msg.rids)
+        elif isinstance(msg, StepTime):
+            self.spec.cost.observe(msg.rows, msg.seconds)
         elif isinstance(msg, GetInternalStateReq):
             self.send(GetInternalStateOut(self.internal_state()))
         else:

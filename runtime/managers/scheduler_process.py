@@ -89,6 +89,7 @@ def recv_messages(scheduler: Scheduler, puller: Puller | None, wait_ms: int) -> 
                 msgs.append(first)
         msgs.extend(puller.recv_nowait_all())
         msgs.extend(scheduler.timeout_aborts())
+        msgs.extend(scheduler.drain_step_times())    # the speculator's costs, the same on every rank
     if scheduler.args.tp_size > 1:
         from ..distributed.parallel_state import broadcast_objects
 

@@ -1,6 +1,7 @@
 """Scale-out through the real processes: TP=2 over gloo equals TP=1 and HF, also split over two
 "nodes" (two servers on loopback); DP=2 with the cache-aware router beats round-robin on prefix
-hits, and a session's turns stay on the replica holding its KV; a dead TP rank takes the engine down; an idle TP=2 engine costs (almost) no CPU."""
+hits, and a session's turns stay on the replica holding its KV; a dead TP rank takes the engine down; an idle TP=2 engine costs (almost) no CPU;
+n-gram speculation under TP=2 equals HF."""
 
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ def test_tp2_greedy_equals_hf(tiny_models, arch):
     for out, prompt in zip(outs, prompts):
         assert out["output_ids"] == hf_greedy(path, prompt, 10)
     assert info["tp_size"] == 2
+
+
+def test_tp2_speculative_equals_hf(llama_path):
+    """n-gram speculation with TP=2: every rank plans the same batches (the proposals depend on step
+    times, which rank 0 measures and broadcasts), greedy tokens equal HF's, proposals verified."""
+    prompts = [p * 3 for p in random_prompts(2, 1900, seed=5, lo=10, hi=16)]   # repeating: proposals match
+    with radixlm.Engine(model_path=llama_path, tp_size=2, dtype="float32", max_total_tokens=4000,
+                        speculative_algorithm="ngram") as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0,
+                                                                "ignore_eos": True})
+    for out, prompt in zip(outs, prompts):
+        assert out["output_ids"] == hf_greedy(llama_path, prompt, 24)
+    assert sum(out["meta_info"]["spec_verify_ct"] for out in outs) > 0
 
 
 def test_tp2_over_two_nodes_equals_hf(llama_path):
