@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_models_vs_hf import (
     PagedRunner,
+    assert_engine_radix_cache_matches_hf,
     assert_greedy_from_shared_prefix_matches_hf,
     assert_prefill_extend_decode_match_hf,
     load_ours,
@@ -54,11 +55,15 @@ def perturb(model: str, name: str, p: torch.nn.Parameter) -> None:
         p.mul_(4.0)
 
 
+FOLDERS: dict[str, str] = {}      # variant -> its checkpoint folder (for the Engine tests)
+
+
 @pytest.fixture(scope="module", params=["gemma2", "gemma3", "olmo2"])
-def variant(request, tmp_path_factory):
+def variant(request, tmp_path_factory, llama_path: str):
     folder = tmp_path_factory.mktemp(request.param)
-    hf = save_random_hf_model(hf_config(request.param), folder,
+    hf = save_random_hf_model(hf_config(request.param), folder, tokenizer_from=llama_path,
                               perturb=lambda name, p: perturb(request.param, name, p))
+    FOLDERS[request.param] = str(folder)
     return (request.param, *load_ours(folder), hf)
 
 
@@ -101,3 +106,18 @@ def test_gemma2_without_the_cap_differs(variant) -> None:
     finally:
         for layer in model.model.layers:
             layer.self_attn.attn.logit_cap = ATTN_CAP
+
+
+def test_engine_tp2(variant) -> None:
+    """TP=2 over gloo through the scheduler (radix cache, chunked prefill, windows past 16 tokens):
+    two rounds equal HF greedy. OLMo 2's q/k norm over the whole projection needs TP=1: refused."""
+    from radixlm import Engine
+    from radixlm.runtime.models.model_config import ModelLoadError
+
+    name, config, _, hf = variant
+    if name == "olmo2":
+        with pytest.raises((ModelLoadError, RuntimeError), match="tensor parallel size 1"):
+            Engine(model_path=FOLDERS[name], dtype="float32", tp_size=2, max_total_tokens=2048)
+        return
+    assert_engine_radix_cache_matches_hf(FOLDERS[name], hf, config.vocab_size, [40, 12, 20], context_length=256,
+                                         min_cached=32, new_tokens=6, tp_size=2)

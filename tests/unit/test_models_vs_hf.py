@@ -103,10 +103,10 @@ def assert_greedy_from_shared_prefix_matches_hf(runner: PagedRunner, hf, vocab_s
 
 
 def assert_engine_radix_cache_matches_hf(path: str, hf, vocab_size: int, lengths: list[int], context_length: int,
-                                         min_cached: int, new_tokens: int) -> None:
-    """Through the scheduler (radix cache on, chunked prefill of 32, page size 16): prompts made of
-    a shared prefix (lengths[0]) and each tail (lengths[1:]) decode HF's greedy tokens in two rounds,
-    and in the second every prompt finds at least `min_cached` tokens in the cache."""
+                                         min_cached: int, new_tokens: int, tp_size: int = 1) -> None:
+    """Through the scheduler (radix cache on, chunked prefill of 32, page size 16, `tp_size` ranks over
+    gloo): prompts made of a shared prefix (lengths[0]) and each tail (lengths[1:]) decode HF's greedy
+    tokens in two rounds, and in the second every prompt finds at least `min_cached` tokens in the cache."""
     from radixlm import Engine
 
     shared, *tails = random_prompts(vocab_size, lengths, seed=6)
@@ -114,7 +114,7 @@ def assert_engine_radix_cache_matches_hf(path: str, hf, vocab_size: int, lengths
     expected = [hf_greedy_tokens(hf, ids, new_tokens) for ids in prompts]
     greedy = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     with Engine(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=32,
-                context_length=context_length, max_total_tokens=2048) as engine:
+                context_length=context_length, max_total_tokens=2048, tp_size=tp_size) as engine:
         for attempt in range(2):
             outs = engine.generate(input_ids=prompts, sampling_params=greedy)
             assert [o["output_ids"] for o in outs] == expected, f"round {attempt}"

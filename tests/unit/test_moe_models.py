@@ -126,3 +126,11 @@ def test_engine_radix_cache(moe_model) -> None:
         pytest.skip("one architecture through the Engine is enough (the Engine start is slow here)")
     assert_engine_radix_cache_matches_hf(path, hf, config.vocab_size, [40, 12, 20], context_length=256,
                                          min_cached=32, new_tokens=NEW_TOKENS)
+
+
+def test_engine_tp2(moe_model) -> None:
+    """TP=2 over gloo (each expert's intermediate size split, the MoE output all-reduced once): the
+    same two rounds equal HF greedy."""
+    name, path, config, _, hf = moe_model
+    assert_engine_radix_cache_matches_hf(path, hf, config.vocab_size, [40, 12, 20], context_length=256,
+                                         min_cached=32, new_tokens=NEW_TOKENS, tp_size=2)

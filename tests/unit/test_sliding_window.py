@@ -96,3 +96,10 @@ def test_engine_radix_cache_and_chunked_prefill(swa_model) -> None:
     path, config, _, hf = swa_model
     assert_engine_radix_cache_matches_hf(path, hf, config.vocab_size, [80, 30, 45], context_length=512,
                                          min_cached=64, new_tokens=NEW_TOKENS)
+
+
+def test_engine_tp2(swa_model) -> None:
+    """TP=2 over gloo, windows on: the same two rounds equal HF greedy."""
+    path, config, _, hf = swa_model
+    assert_engine_radix_cache_matches_hf(path, hf, config.vocab_size, [80, 30, 45], context_length=512,
+                                         min_cached=64, new_tokens=NEW_TOKENS, tp_size=2)
