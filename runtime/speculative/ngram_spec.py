@@ -300,7 +300,8 @@ class NgramSpeculator:
         t.verify_ct += 1
         t.draft_tokens += drafted
         t.accepted_tokens += accepted
-        rejected = 1.0 if accepted < drafted else 0.0
+        # a pass that ended on a proposal the model did not sample (not on a stop or a jump-forward)
+        rejected = 1.0 if accepted < drafted and not req.finished and req.extend_len == 1 else 0.0
         st = req.spec_state
         st.accepted = ACCEPT_DECAY * st.accepted + accepted
         st.rejected = ACCEPT_DECAY * st.rejected + rejected
