@@ -8,7 +8,7 @@ llama.cpp's converter changes, this changes too:
 
     llama                 q/k rows permuted per head (rotate-half -> interleaved pairs); llama3
                           rope scaling stored as the rope_freqs tensor of per-frequency divisors
-    gemma3                every RMSNorm weight stored as w + 1
+    gemma2 / gemma3       every RMSNorm weight stored as w + 1; gemma2's soft-caps as metadata
     qwen2moe / qwen3moe   (and Mixtral, written as llama) experts stacked as 3-D ffn_{gate,up,down}_exps [experts, out, in];
                           the shared-expert gate stored 1-D
     phi3                  the fused qkv_proj / gate_up_proj kept fused (attn_qkv, ffn_up); the rope
@@ -99,7 +99,10 @@ def add_metadata(writer, arch: str, config) -> None:
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    if arch in ("gemma3", "phi3") and c.sliding_window:
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch in ("gemma2", "gemma3", "phi3") and c.sliding_window:
         writer.add_sliding_window(c.sliding_window)
     if "sliding_attention" in c.rope_parameters:        # the newer converter states the sliding layers' base
         writer.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
@@ -133,7 +136,7 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         assert gguf_name is not None, name
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1.0
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(-1)

@@ -17,6 +17,9 @@ registered radixlm architecture:
                                                      LongRoPE from rope_factors_long / rope_factors_short
                                                      (+ rope.scaling.original_context_length, attn_factor);
                                                      rope.dimension_count < head_dim: partial rotary
+    gemma2                 Gemma2ForCausalLM         attention / final logit soft-caps from the file; even
+                                                     layers sliding (llama.cpp's rule), attention scale
+                                                     as for gemma3
     gemma3                 Gemma3ForCausalLM         what the file does not state is llama.cpp's fixed rule:
                                                      every 6th layer global, the others sliding with rope
                                                      base 10000 (rope.freq_base_swa where stated);
@@ -45,6 +48,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
@@ -67,7 +71,7 @@ _READ = {
     "expert_weights_norm": "norm_topk_prob",
     "attention.sliding_window": "sliding_window",
     "final_logit_softcapping": "final_logit_softcapping",
-    "attn_logit_softcapping": "attn_logit_softcapping",   # refused by config_fields when set
+    "attn_logit_softcapping": "attn_logit_softcapping",
 }
 # read below, with a check: rope.freq_base, rope.scaling.*, rope.dimension_count, attention.value_length
 _CHECKED = ("rope.freq_base", "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor", "rope.dimension_count",
@@ -141,6 +145,8 @@ def gguf_hf_config(reader) -> dict:
         _moe(arch, keys, hf, tensors)
     elif int(keys.get("expert_count", 0) or 0) or any("_exps." in name for name in tensors):
         _mixtral(arch, keys, hf, tensors)
+    if arch == "gemma2":
+        _gemma2(hf)
     if arch == "gemma3":
         _gemma3(hf)
     return hf
@@ -227,7 +233,7 @@ def _check_attention(arch: str, keys: dict, hf: dict) -> None:
                              f"{hf['head_dim']}; not implemented")
     if not keys.get("attention.causal", True):
         raise ModelLoadError(f"GGUF {arch}.attention.causal=false (non-causal attention) is not supported")
-    if hf.get("sliding_window") and arch not in ("phi3", "gemma3"):
+    if hf.get("sliding_window") and arch not in ("phi3", "gemma2", "gemma3"):
         raise ModelLoadError(f"GGUF {arch}.attention.sliding_window is not implemented for {arch} files")
     if not hf.get("sliding_window"):
         hf.pop("sliding_window", None)
@@ -270,6 +276,21 @@ def _mixtral(arch: str, keys: dict, hf: dict, tensors: dict[str, list[int]]) -> 
         raise ModelLoadError(f"GGUF {arch} file with shared experts is not supported")
     hf.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
               num_local_experts=int(hf.pop("num_experts")), num_experts_per_tok=int(hf["num_experts_per_tok"]))
+
+
+def _gemma2(hf: dict) -> None:
+    """llama.cpp's fixed Gemma 2 rules: GeGLU (gelu-tanh), every even layer sliding when the file has
+    a window (llama.cpp's swa pattern 2), one rope base, the attention scale of Gemma 3's rule (the
+    46-layer 27B: hidden / heads); the soft-caps are read from the file's keys."""
+    layers = int(hf["num_hidden_layers"])
+    hf["hidden_activation"] = "gelu_pytorch_tanh"
+    hf.pop("hidden_act")
+    hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if layers == 46 else hf["head_dim"]
+    if hf.get("sliding_window"):
+        hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    else:
+        hf.pop("sliding_window", None)
+        hf["layer_types"] = ["full_attention"] * layers
 
 
 def _gemma3(hf: dict) -> None:

@@ -22,7 +22,7 @@ What llama.cpp's converter changed, per architecture, and its undoing here:
   adjacent pairs. Per head it maps row `i*half + j` (i in {0,1}) to `2*j + i`; the inverse reshapes
   to [heads, half, 2, in] and swaps the middle axes back. The other architectures use llama.cpp's
   NEOX rope (HF's layout) and are not permuted.
-- gemma3: RMSNorm weights are stored as w + 1 (the scale Gemma's norm applies): 1 is subtracted.
+- gemma2, gemma3: RMSNorm weights are stored as w + 1 (the scale Gemma's norm applies): 1 is subtracted.
 - qwen2moe / qwen3moe, and llama files with experts (Mixtral): the experts of a layer are one 3-D
   tensor per projection (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [experts, out, in]): split into experts.{e}.*,
   quantized ones by rows (each expert stays in the file's type); the shared-expert gate is 1-D
@@ -77,9 +77,11 @@ _BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_BLOCK_NAMES = {   # where an architecture's names differ from the table above
-    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
     "phi3": {"ffn_up": "mlp.gate_up_proj"},   # the fused [gate | up]: split on load
 }
 _DENSE_ONLY = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")   # plain nn.Linear, no packed weight
@@ -248,7 +250,7 @@ def _converted(name: str, weight: torch.Tensor, arch: str, num_heads: int, num_k
         weight = unpermute_qk(weight, num_heads)
     elif arch == "llama" and ".self_attn.k_proj." in name:
         weight = unpermute_qk(weight, num_kv_heads)
-    elif arch == "gemma3" and name.endswith("norm.weight"):
+    elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         weight = weight - 1.0                         # stored as the scale 1 + w
     elif name.endswith(".mlp.shared_expert_gate.weight") and weight.dim() == 1:
         weight = weight.reshape(1, -1)

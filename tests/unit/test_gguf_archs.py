@@ -57,7 +57,8 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_k
 # general.architecture -> radixlm architecture, and whether transformers reads the whole config from the file
 ARCHS = {"qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", False),
          "qwen2moe": ("Qwen2MoeForCausalLM", False), "qwen3moe": ("Qwen3MoeForCausalLM", False),
-         "phi3": ("Phi3ForCausalLM", True), "gemma3": ("Gemma3ForCausalLM", True)}
+         "phi3": ("Phi3ForCausalLM", True), "gemma2": ("Gemma2ForCausalLM", False),
+         "gemma3": ("Gemma3ForCausalLM", True)}
 
 
 def hf_config(arch: str):
@@ -76,6 +77,10 @@ def hf_config(arch: str):
     if arch == "phi3":
         return tf.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=64)   # longer than the prompt:
         # transformers' GGUF reading drops the window (llama.cpp disables Phi-3's); radixlm keeps it
+    if arch == "gemma2":     # a cap small enough to change every layer, a 16-token window on even layers
+        return tf.Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=4, head_dim=32,
+                               query_pre_attn_scalar=32, sliding_window=16, attn_logit_softcapping=1.0,
+                               final_logit_softcapping=30.0)
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
     gemma = dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1, head_dim=256)
@@ -92,7 +97,7 @@ def tiny_models():
     for i, arch in enumerate(ARCHS):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
-        if arch == "gemma3":                      # (1 + w) norms: w away from 0, so a lost +-1 shows
+        if arch in ("gemma2", "gemma3"):          # (1 + w) norms: w away from 0, so a lost +-1 shows
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.data.uniform_(-0.5, 0.5)
@@ -126,6 +131,10 @@ def _check_config(config: ModelConfig, arch: str, tiny) -> None:
         assert moe.sparse_layers == tuple(range(c.num_hidden_layers))
     if arch == "phi3":
         assert config.sliding_window == 64 and config.sliding_window_layers == (0, 1)
+    if arch == "gemma2":
+        assert config.sliding_window == 16 and config.sliding_window_layers == (0, 2)
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (1.0, 30.0)
+        assert config.query_pre_attn_scalar == 32 and config.hidden_act == "gelu_pytorch_tanh"
     if arch == "gemma3":
         assert config.sliding_window == 16 and config.sliding_window_layers == (0, 1, 2, 3, 4)
         assert (config.query_pre_attn_scalar, config.local_rope_theta, config.rope_theta) == (256, 10000.0, 1e6)
