@@ -30,23 +30,14 @@ TINY_MODEL_NAMES = ("llama", "qwen2", "qwen3")
 
 # ----------------------------------------------------------------- markers and options
 # Servers the tests start log to $TMPDIR/<prefix>-<port>-*.log (radixlm.testing.server); a passing
-# session removes the logs it made, a failing one keeps them for reading.
-_LOG_GLOBS = ("radixlm-server-*.log", "radixlm-runtime-*.log", "sglang-router-*.log")
-_LOGS_BEFORE: set[Path] = set()
-
-
-def _server_logs() -> set[Path]:
-    tmp = Path(tempfile.gettempdir())
-    return {p for pattern in _LOG_GLOBS for p in tmp.glob(pattern)}
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _LOGS_BEFORE.update(_server_logs())
-
-
+# session removes the logs it made (radixlm.testing.server.LOG_FILES: only this process's, so a
+# session running beside another never deletes a log the other is still reading), a failing one
+# keeps them for reading.
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from radixlm.testing.server import LOG_FILES
+
     if exitstatus == 0:
-        for path in _server_logs() - _LOGS_BEFORE:
+        for path in LOG_FILES:
             path.unlink(missing_ok=True)
 
 

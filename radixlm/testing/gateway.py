@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from radixlm.runtime.utils import free_port
+from radixlm.testing.server import new_log_file
 
 __all__ = ["GatewayProcess", "launch_gateway"]
 
@@ -85,14 +85,14 @@ def launch_gateway(worker_urls: list[str], policy: str = "cache_aware", *extra_a
                    timeout: float = 60.0) -> GatewayProcess:
     """Starts the gateway in front of `worker_urls` and waits until all of them are healthy."""
     port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix=f"sglang-router-{port}-", suffix=".log")
+    log_fd, log_name = new_log_file(f"sglang-router-{port}")
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
            "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
            "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
            "--health-success-threshold", "1", "--log-level", "warn", *extra_args]
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    gateway = GatewayProcess(proc, port, Path(log_name), worker_urls)
+    gateway = GatewayProcess(proc, port, log_name, worker_urls)
     try:
         gateway.wait_healthy(set(worker_urls), timeout)
     except BaseException:

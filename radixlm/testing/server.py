@@ -29,6 +29,18 @@ __all__ = ["READY_LINE", "ServerProcess", "child_pids", "descendant_pids", "free
            "pid_alive", "server_cli_args"]
 
 
+# the log files of the servers (and gateways) this process started: a passing test session removes
+# them (tests/conftest.py), and only them, so that sessions running side by side keep each other's
+LOG_FILES: list[Path] = []
+
+
+def new_log_file(prefix: str) -> tuple[int, Path]:
+    """A fresh $TMPDIR/<prefix>-*.log (fd, path), recorded in LOG_FILES."""
+    fd, name = tempfile.mkstemp(prefix=f"{prefix}-", suffix=".log")
+    LOG_FILES.append(Path(name))
+    return fd, Path(name)
+
+
 class ServerProcess:
     """A running server: its base URL, API key, process and log file."""
 
@@ -121,7 +133,7 @@ def launch_server_process(model_path: str | None, *extra_args: str, api_key: str
     model) and waits until ready (see ServerProcess.wait_ready). `new_session` puts the server in
     its own process group (Ctrl-C in the caller's terminal does not reach it)."""
     port = port or free_port(host)
-    log_fd, log_name = tempfile.mkstemp(prefix=f"{log_prefix}-{port}-", suffix=".log")
+    log_fd, log_name = new_log_file(f"{log_prefix}-{port}")
     cmd = [sys.executable, "-m", "radixlm.launch_server", "--host", host, "--port", str(port), *extra_args]
     if model_path is not None:
         cmd[3:3] = ["--model-path", model_path]
@@ -131,7 +143,7 @@ def launch_server_process(model_path: str | None, *extra_args: str, api_key: str
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=None if cwd is None else str(cwd), env=child_env, start_new_session=new_session)
     os.close(log_fd)
-    server = ServerProcess(proc, port, Path(log_name), api_key, host, cmd)
+    server = ServerProcess(proc, port, log_name, api_key, host, cmd)
     server.wait_ready(timeout, ready)
     return server
 
