@@ -40,6 +40,9 @@ class FakeScheduler:
     def timeout_aborts(self) -> list:
         return []
 
+    def drain_step_times(self) -> list:
+        return []
+
 
 def loop_for(sched: FakeScheduler, puller: Puller) -> int:
     with pytest.raises(_Stop):
