@@ -14,10 +14,11 @@
 //
 // Each thread takes a contiguous range of blocks; within a block, rows of x go 4 at a time (16
 // accumulators) over the whole K, so every weight byte is loaded once per 4 rows and stays in L1/L2
-// between the row tiles; the last 5 or 6 rows go together (block_tile). Rows are handled in chunks of kRowChunk so that the chunk of x stays in
-// cache for large prefills. The sums are fp32 in k order; the bias is added in fp32 and the result
-// rounded to bf16 once (nearest even), as oneDNN's bf16 matmul does. Its outputs equal F.linear's
-// for most shapes; where oneDNN splits K differently they differ by rounding.
+// between the row tiles; the last 5 or 6 rows go together (block_rows). Rows are handled in chunks
+// of kRowChunk so that the chunk of x stays in cache for large prefills. The sums are fp32 in k
+// order; the bias is added in fp32 and the result rounded to bf16 once (nearest even), as oneDNN's
+// bf16 matmul does. Its outputs equal F.linear's for most shapes; where oneDNN splits K differently
+// they differ by rounding.
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -56,26 +57,25 @@ void pack(const at::Tensor& w, at::Tensor& out) {
   });
 }
 
-// Rows [0, MR) of x against NV of packed block's 4 vectors: wb points at the block's first k-pair
-// plus 32 * v0 elements, n0 is the output row of vector v0 (the k-pair stride stays kBlock * 2).
-template <int MR, int NV = 4>
+// Rows [0, MR) of x against packed block `wb` (output rows n0 .. n0 + 63).
+template <int MR>
 inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
                  const bf16* bias, bf16* out, int64_t ldo) {
-  __m512 acc[MR][NV];
+  __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
-    for (int i = 0; i < NV; ++i) acc[m][i] = _mm512_setzero_ps();
+    for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K2; ++p) {
     const bf16* w = wb + p * kBlock * 2;
-    __m512bh wv[NV];
-    for (int i = 0; i < NV; ++i) wv[i] = (__m512bh)_mm512_loadu_si512(w + 32 * i);
+    __m512bh wv[4];
+    for (int i = 0; i < 4; ++i) wv[i] = (__m512bh)_mm512_loadu_si512(w + 32 * i);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * ldx + 2 * p, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int i = 0; i < NV; ++i) acc[m][i] = _mm512_dpbf16_ps(acc[m][i], xv, wv[i]);
+      for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_dpbf16_ps(acc[m][i], xv, wv[i]);
     }
   }
-  for (int i = 0; i < NV; ++i) {
+  for (int i = 0; i < 4; ++i) {
     const int64_t n = n0 + 16 * i;
     if (n >= N) break;
     const __mmask16 mask = (__mmask16)((1u << std::min<int64_t>(16, N - n)) - 1);
@@ -89,38 +89,23 @@ inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t
   }
 }
 
-// Rows [0, MR) of x (MR <= kMaxTileRows) against the whole block. Up to 6 rows take one pass over
-// its 4 vectors (24 accumulators, 4 weight vectors and the broadcast x pair fill 29 of the 32 vector
-// registers), so a decode batch with a few speculative proposals streams each block once; 7 and 8
-// rows take two passes (4, then the rest while the block is in L2).
-constexpr int kMaxTileRows = 8;
-template <int MR>
-inline void block_tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
-                       const bf16* bias, bf16* out, int64_t ldo) {
-  if constexpr (MR <= 6) {
-    tile<MR, 4>(x, ldx, wb, K2, n0, N, bias, out, ldo);
-  } else {
-    tile<4, 4>(x, ldx, wb, K2, n0, N, bias, out, ldo);
-    tile<MR - 4, 4>(x + 4 * ldx, ldx, wb, K2, n0, N, bias, out + 4 * ldo, ldo);
-  }
-}
-
-// block_tile for a row count known at run time (1 .. kMaxTileRows).
+// Rows [0, rows) of x (1 <= rows <= kMaxTileRows) against the whole block, in one pass over its 4
+// vectors: 6 rows take 24 accumulators, 4 weight vectors and the broadcast x pair, 29 of the 32
+// vector registers. So a decode batch with a few speculative proposals streams each block once.
+constexpr int kMaxTileRows = 6;
 inline void block_rows(int64_t rows, const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
                        const bf16* bias, bf16* out, int64_t ldo) {
   switch (rows) {
-    case 1: block_tile<1>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    case 2: block_tile<2>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    case 3: block_tile<3>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    case 4: block_tile<4>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    case 5: block_tile<5>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    case 6: block_tile<6>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    case 7: block_tile<7>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
-    default: block_tile<8>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
+    case 1: tile<1>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
+    case 2: tile<2>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
+    case 3: tile<3>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
+    case 4: tile<4>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
+    case 5: tile<5>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
+    default: tile<6>(x, ldx, wb, K2, n0, N, bias, out, ldo); break;
   }
 }
 
-// Rows in the next tile starting `left` rows before the end: 4 at a time, the last 5 to 8 together.
+// Rows in the next tile starting `left` rows before the end: 4 at a time, the last 5 or 6 together.
 inline int64_t next_tile_rows(int64_t left) { return left > kMaxTileRows ? 4 : left; }
 
 // The output and loops of linear() and gemm_silu.h's linear_silu_mul(), x and packed checked by them:

@@ -15,7 +15,8 @@
 
 namespace radixlm_gemm {
 
-// Rows [0, rows) of x (at most kMaxTileRows) against gate block wg and up block wu into gate / up ([rows][kBlock] bf16 each).
+// Rows [0, rows) of x (at most kMaxTileRows) against gate block wg and up block wu into gate / up
+// ([rows][kBlock] bf16 each).
 inline void gate_up_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* wg, const bf16* wu, int64_t K2,
                          bf16* gate, bf16* up) {
   block_rows(rows, x, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
