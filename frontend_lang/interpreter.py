@@ -98,9 +98,14 @@ class PromptBuilder:
 class StreamExecutor(PromptBuilder):
     """Runs the expressions of one program state in a worker thread, in submission order."""
 
-    def __init__(self, backend: BaseBackend, default_params: SglSamplingParams, stream: bool = False) -> None:
+    def __init__(self, backend: BaseBackend, default_params: SglSamplingParams, stream: bool = False,
+                 session: Any = None) -> None:
+        """`session`: a fork's branch of its parent's session cursor; a root state gets a new one
+        (closed when the root ends, after its forks)."""
         super().__init__(backend.get_chat_template())
         self.backend = backend
+        self.owns_session = session is None
+        self.session_ = backend.new_session_cursor() if session is None else session
         self.default_params = default_params
         self.stream = stream
         self.error_: BaseException | None = None
@@ -181,11 +186,12 @@ class StreamExecutor(PromptBuilder):
         self.sync()
         if self.error_ is not None:
             raise self.error_
-        if size > 1 and self.text_ and self.backend.supports_prefix_cache:
-            self.backend.cache_prefix(self.text_)
+        if size > 1 and self.text_:
+            self.backend.cache_fork_prefix(self)
         forks = []
         for _ in range(size):
-            child = StreamExecutor(self.backend, self.default_params, self.stream)
+            branch = self.session_.branch() if self.session_ is not None else None
+            child = StreamExecutor(self.backend, self.default_params, self.stream, session=branch)
             child.copy_prompt_from(self)
             forks.append(child)
         self.children.extend(forks)
@@ -197,6 +203,7 @@ class StreamExecutor(PromptBuilder):
             expr = self._queue.get()
             try:
                 if expr is _END:
+                    self._close_session()
                     return
                 if self.error_ is None:
                     for leaf in leaves(expr):
@@ -207,6 +214,13 @@ class StreamExecutor(PromptBuilder):
                 if expr is _END or self.error_ is not None:
                     self._release_waiters(final=expr is _END)
                 self._queue.task_done()
+
+    def _close_session(self) -> None:
+        """The root state closes the program's server session once every fork has finished."""
+        if self.owns_session and self.session_ is not None:
+            for child in self.children:
+                child.sync_all()
+            self.session_.session.close()
 
     def _release_waiters(self, final: bool) -> None:
         with self.cond:

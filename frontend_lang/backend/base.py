@@ -31,6 +31,7 @@ class PromptState(Protocol):
     messages_: list[dict[str, Any]]
     cur_role: str | None
     cur_role_begin_pos: int
+    session_: Any   # the backend's per-state session cursor (new_session_cursor), or None
 
 
 class BaseBackend:
@@ -47,6 +48,15 @@ class BaseBackend:
 
     def cache_prefix(self, prefix_str: str) -> None:
         """Computes and caches the KV of `prefix_str` without generating (no-op without a cache)."""
+
+    def new_session_cursor(self) -> Any:
+        """A program's handle on a server session (RuntimeEndpoint); None: the backend has none."""
+        return None
+
+    def cache_fork_prefix(self, s: PromptState) -> None:
+        """Before `s` forks: computes and caches the prefix the branches share."""
+        if self.supports_prefix_cache:
+            self.cache_prefix(s.text_)
 
     def generate(self, s: PromptState, sampling_params: SglSamplingParams) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError

@@ -5,6 +5,8 @@
                             "top_logprobs_num", "return_text_in_logprobs"} -> {"text", "output_ids", "meta_info"}
                            streaming: SSE `data: {...}` with cumulative text, then `data: [DONE]`
                            `max_new_tokens: 0` prefills only (caches a prefix, scores select)
+    POST /open_session, /close_session, `session_params` on /generate: multi-turn programs and
+                           forks keep their KV in a server session (sessions.py)
 
 Server errors (`{"error": {"message": ...}}`) are raised as `BackendError` with that message.
 """
@@ -12,6 +14,7 @@ Server errors (`{"error": {"message": ...}}`) are raised as `BackendError` with 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +24,9 @@ from ..chat_template import detect_chat_template, get_chat_template
 from ..choices import ChoicesDecision, ChoicesSamplingMethod, decide, mean_logprob
 from ..ir import SglSamplingParams
 from .base import BackendError, BaseBackend, PromptState
+from .sessions import ProgramSession, SessionCursor
+
+logger = logging.getLogger(__name__)
 
 # select asks for logprobs from this many tokens before the prompt's end, so that a choice whose
 # first token merges with the prompt's last token(s) is still scored over all its tokens.
@@ -31,8 +37,13 @@ class RuntimeEndpoint(BaseBackend):
     supports_prefix_cache = True
 
     def __init__(self, base_url: str, api_key: str | None = None, verify: Any = None,
-                 chat_template_name: str | None = None, timeout: float | None = 3600.0) -> None:
+                 chat_template_name: str | None = None, timeout: float | None = 3600.0,
+                 use_sessions: bool = True, session_capacity: int = 65536) -> None:
+        """`use_sessions`: multi-turn programs and forks use server sessions (off by itself when
+        the server has none); `session_capacity`: each program session's `capacity_of_str_len`."""
         self.base_url = base_url.rstrip("/")
+        self.use_sessions = use_sessions
+        self.session_capacity = session_capacity
         self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
@@ -78,6 +89,60 @@ class RuntimeEndpoint(BaseBackend):
     def cache_prefix(self, prefix_str: str) -> None:
         self.generate_raw({"text": prefix_str, "sampling_params": {"max_new_tokens": 0}})
 
+    # ------------------------------------------------------------ sessions
+    def new_session_cursor(self) -> SessionCursor | None:
+        return SessionCursor(ProgramSession(self, self.session_capacity)) if self.use_sessions else None
+
+    def open_session(self, capacity: int) -> str | None:
+        """A new server session's id; None (and sessions off) when the server has no sessions."""
+        try:
+            return self._request("POST", "/open_session", {"capacity_of_str_len": capacity})
+        except BackendError as exc:
+            if exc.status_code in (404, 405):
+                self.use_sessions = False
+            logger.warning("DSL programs run without server sessions: /open_session answered %s", exc)
+            return None
+
+    def close_session(self, session_id: str) -> None:
+        try:
+            self._request("POST", "/close_session", {"session_id": session_id})
+        except BackendError as exc:   # the server went away or flushed it: nothing is left to free
+            logger.info("closing session %s: %s", session_id, exc)
+
+    def _enter_session(self, s: PromptState, body: dict[str, Any], force_open: bool = False
+                       ) -> tuple[dict[str, Any], str | None]:
+        """(the body to send, its rid in the state's session or None when sent outside one)."""
+        cursor = getattr(s, "session_", None)
+        if cursor is None or body.get("sampling_params", {}).get("n") not in (None, 1):
+            return body, None
+        return cursor.prepare(dict(body), s.text_, force_open)
+
+    @staticmethod
+    def _session_refused(s: PromptState, rid: str | None, exc: BackendError) -> bool:
+        """A 400 about the session (a gateway sent the turn to another worker, the server was
+        restarted): the program's session is turned off and the request is sent without it."""
+        if rid is None or exc.status_code != 400 or "session" not in exc.message:
+            return False
+        s.session_.session.disable(exc.message)
+        return True
+
+    def _session_request(self, s: PromptState, body: dict[str, Any], force_open: bool = False) -> Any:
+        prompt_len = len(s.text_)
+        session_body, rid = self._enter_session(s, body, force_open)
+        try:
+            result = self.generate_raw(session_body)
+        except BackendError as exc:
+            if not self._session_refused(s, rid, exc):
+                raise
+            result, rid = self.generate_raw(body), None
+        if rid is not None:
+            s.session_.advance(rid, prompt_len)
+        return result
+
+    def cache_fork_prefix(self, s: PromptState) -> None:
+        body = {"text": s.text_, "sampling_params": {"max_new_tokens": 0}}
+        self._session_request(s, body, force_open=True)
+
     # ---------------------------------------------------------- generation
     def _generate_body(self, text: str, params: SglSamplingParams, stream: bool) -> dict[str, Any]:
         if stream and params.n not in (None, 1):
@@ -87,7 +152,7 @@ class RuntimeEndpoint(BaseBackend):
 
     def generate(self, s: PromptState, sampling_params: SglSamplingParams) -> tuple[Any, Any]:
         """(text, meta_info); with n > 1, (list of n texts, list of n meta_infos)."""
-        obj = self.generate_raw(self._generate_body(s.text_, sampling_params, stream=False))
+        obj = self._session_request(s, self._generate_body(s.text_, sampling_params, stream=False))
         if isinstance(obj, list):
             return [o["text"] for o in obj], [o["meta_info"] for o in obj]
         return obj["text"], obj["meta_info"]
@@ -95,6 +160,19 @@ class RuntimeEndpoint(BaseBackend):
     def generate_stream(self, s: PromptState, sampling_params: SglSamplingParams
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
         body = self._generate_body(s.text_, sampling_params, stream=True)
+        prompt_len = len(s.text_)
+        session_body, rid = self._enter_session(s, body)
+        try:
+            yield from self._stream(session_body)
+        except BackendError as exc:
+            if not self._session_refused(s, rid, exc):   # (a refusal comes before any chunk)
+                raise
+            rid = None
+            yield from self._stream(body)
+        if rid is not None:
+            s.session_.advance(rid, prompt_len)
+
+    def _stream(self, body: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
         try:
             with self._client.stream("POST", "/generate", json=body) as resp:
                 if resp.status_code != 200:

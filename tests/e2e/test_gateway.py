@@ -96,6 +96,27 @@ def test_every_kind_of_request_goes_through(gateway, workers):
     assert httpx.get(gw + "/v1/models", timeout=10).json()["data"]
 
 
+def test_a_dsl_program_runs_through_the_gateway_without_sessions(gateway, workers):
+    """The gateway has no /open_session (404): a multi-turn program turns sessions off and sends
+    whole texts, with the same greedy answers as straight to a worker, in a session or not."""
+    import radixlm.api as sgl
+
+    @sgl.function
+    def turns(s):
+        for question in ["the cat sat", "and then", "and after"]:
+            s += sgl.user(question) + sgl.assistant(sgl.gen(max_tokens=4))
+
+    texts = []
+    for url, sessions in ((gateway.base_url, True), (workers[0].base_url, True), (workers[0].base_url, False)):
+        endpoint = sgl.RuntimeEndpoint(url, use_sessions=sessions)
+        try:
+            texts.append(turns.run(temperature=0, backend=endpoint).text())
+            assert endpoint.use_sessions == (url != gateway.base_url and sessions)
+        finally:
+            endpoint.close()
+    assert texts[0] == texts[1] == texts[2]
+
+
 def test_routes_the_gateway_reads(gateway, workers):
     w = workers[0]
     load = httpx.get(w.url("/get_load"), timeout=10).json()
