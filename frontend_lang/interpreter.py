@@ -99,13 +99,16 @@ class StreamExecutor(PromptBuilder):
     """Runs the expressions of one program state in a worker thread, in submission order."""
 
     def __init__(self, backend: BaseBackend, default_params: SglSamplingParams, stream: bool = False,
-                 session: Any = None) -> None:
-        """`session`: a fork's branch of its parent's session cursor; a root state gets a new one
-        (closed when the root ends, after its forks)."""
+                 fork_of: StreamExecutor | None = None) -> None:
+        """A root state gets a new session cursor (its session is closed when the root ends, after
+        its forks); a fork (`fork_of` its parent) branches its parent's."""
         super().__init__(backend.get_chat_template())
         self.backend = backend
-        self.owns_session = session is None
-        self.session_ = backend.new_session_cursor() if session is None else session
+        self.owns_session = fork_of is None
+        if fork_of is None:
+            self.session_ = backend.new_session_cursor()
+        else:
+            self.session_ = fork_of.session_.branch() if fork_of.session_ is not None else None
         self.default_params = default_params
         self.stream = stream
         self.error_: BaseException | None = None
@@ -190,8 +193,7 @@ class StreamExecutor(PromptBuilder):
             self.backend.cache_fork_prefix(self)
         forks = []
         for _ in range(size):
-            branch = self.session_.branch() if self.session_ is not None else None
-            child = StreamExecutor(self.backend, self.default_params, self.stream, session=branch)
+            child = StreamExecutor(self.backend, self.default_params, self.stream, fork_of=self)
             child.copy_prompt_from(self)
             forks.append(child)
         self.children.extend(forks)
