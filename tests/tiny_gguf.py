@@ -15,6 +15,8 @@ llama.cpp's converter changes, this changes too:
                           dimension (partial_rotary_factor) and original context always stated;
                           LongRoPE as the rope_factors_long / rope_factors_short tensors plus the
                           attention factor the converter computes
+    olmo2                 nothing (its converter keeps HF's tensors and layout; names from the map:
+                          post_attention_norm, post_ffw_norm, attn_q_norm, attn_k_norm)
 
 2-D weights (and experts) are written in `qtype` (F32, F16 or a quantized type), 1-D tensors in F32,
 as llama.cpp does. Quantizing uses gguf.quants (numpy), so keep the models tiny.

@@ -25,6 +25,10 @@ registered radixlm architecture:
                                                      base 10000 (rope.freq_base_swa where stated);
                                                      attention scale head_dim ** -0.5 (hidden/heads for
                                                      the 62-layer 27B)
+    olmo2                  Olmo2ForCausalLM          post-attention / post-MLP norms (post_attention_norm,
+                                                     post_ffw_norm; no input norms), q/k norms over the
+                                                     whole projection; NEOX rope, so q/k not permuted;
+                                                     OLMo 3's sliding-window files refused
 
 Every `<arch>.*` key is either read (`_READ`), known not to change the forward pass (`_INERT`), or
 refused with ModelLoadError naming it (a rope scaling type other than linear, an attention head
@@ -50,6 +54,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
 }
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 

@@ -29,6 +29,10 @@ What llama.cpp's converter changed, per architecture, and its undoing here:
   (made [1, hidden]). The routers stay dense (llama.cpp keeps them F32).
 - phi3: attn_qkv and ffn_up hold the fused qkv_proj and gate_up_proj: split into q/k/v (rows
   heads*head_dim, kv_heads*head_dim twice) and gate/up (halves), quantized ones by rows too.
+- olmo2: nothing to undo (its converter keeps HF's tensors; NEOX rope, so q/k are not permuted);
+  only the names differ: post_attention_norm / post_ffw_norm are the post-attention / post-MLP norms.
+  transformers cannot read olmo2 files, so its tokenizer conversion is called directly (the
+  generic fast tokenizer class) for the tokenizer files.
 """
 
 from __future__ import annotations
@@ -83,7 +87,10 @@ _ARCH_BLOCK_NAMES = {   # where an architecture's names differ from the table ab
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
     "phi3": {"ffn_up": "mlp.gate_up_proj"},   # the fused [gate | up]: split on load
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
+# model types whose GGUF files transformers' loader refuses (no config mapping); radixlm converts the config itself
+_NO_TRANSFORMERS_GGUF_CONFIG = ("olmo2",)
 _DENSE_ONLY = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")   # plain nn.Linear, no packed weight
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -145,9 +152,14 @@ def _hf_config(path: Path) -> dict:
 
 def _write_hf_files(path: Path, hf: dict, out: Path) -> None:
     """Writes config.json (`hf`) and the tokenizer files transformers converts from the GGUF metadata."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if hf["model_type"] in _NO_TRANSFORMERS_GGUF_CONFIG:
+        # AutoTokenizer would first read the model config from the file and refuse the architecture;
+        # the tokenizer conversion itself reads only tokenizer.ggml.*, so the generic fast class runs it
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf = dict(hf)
     hf["dtype"] = "bfloat16"  # dequantized weights have no native dtype; serve in bf16 unless --dtype says
     hf["gguf_file"] = str(path)

@@ -25,8 +25,9 @@ from the tiny model instead (`from_pretrained(..., config=...)`, the weights sti
 and our converted config is checked against the tiny model's own.
 
 Also here: refusals of metadata radixlm does not implement; linear rope scaling read; Llama 3.1
-rope (llama.cpp's rope_freqs tensor) and Mixtral (a llama file with experts) against the tiny HF
-models themselves, since transformers' GGUF loader reads neither; a Qwen3 file by path through the
+rope (llama.cpp's rope_freqs tensor), Mixtral (a llama file with experts) and OLMo 2 (olmo2 files,
+F32 and Q8_0; OLMo 3's sliding-window files refused) against the tiny HF models themselves, since
+transformers' GGUF loader reads none of them; a Qwen3 file by path through the
 scheduler; the one-call CPU decoder on quantized Qwen2/Qwen3 files, bit for bit.
 """
 
@@ -425,3 +426,75 @@ def test_longrope_factors_refused_outside_phi3(tiny_models, tmp_path, monkeypatc
     writer.close()
     with pytest.raises(ModelLoadError, match="LongRoPE rope factors"):
         ModelConfig.from_path(str(path))
+
+
+def olmo2_tiny() -> torch.nn.Module:
+    """A tiny random HF OLMo 2 (fp32, eval) with its norms (post-attention, post-MLP, q/k over the whole
+    projection, final) moved off 1, so a lost or misplaced norm shows."""
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    torch.manual_seed(12)
+    tiny = AutoModelForCausalLM.from_config(Olmo2Config(**COMMON, num_hidden_layers=2), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in tiny.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return tiny
+
+
+@pytest.mark.parametrize("qtype,kernel", [(F32, True), (Q8_0, False), (Q8_0, True)])
+def test_olmo2_file_against_the_hf_model(qtype, kernel, tmp_path, monkeypatch):
+    """An olmo2 file as llama.cpp's converter writes it (its Olmo2Model keeps HF's tensors: NEOX rope, q/k
+    not permuted; post_attention_norm / post_ffw_norm, attn_q_norm / attn_k_norm, no input norms).
+    transformers cannot read olmo2 files, so the reference is the tiny HF Olmo2ForCausalLM itself (fp32):
+    F32 logits within 1e-4 with the same argmax everywhere and the same greedy tokens from a prefix in
+    shared KV slots; Q8_0 dequantized (kernel off) within 1e-4 of the HF model with Q8_0-rounded weights;
+    Q8_0 kept quantized with the kernel (int8 activations) within 5% of the max |logit| of it, as the
+    other architectures' Q8_0 files (measured here: 1.5%, argmax 39 of 40), and the same argmax on >= 90% of positions."""
+    from transformers import AutoTokenizer
+
+    from radixlm.runtime.models.gguf_loader import materialize_gguf
+    from tests.unit.test_models_vs_hf import PagedRunner, assert_greedy_from_shared_prefix_matches_hf
+
+    if qtype == Q8_0 and kernel and not cpu_supports_quant():
+        pytest.skip("needs AVX512-VNNI")
+    if not kernel:
+        monkeypatch.setattr("radixlm.runtime.layers.quant_linear.load_cpu_quant", lambda: None)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = olmo2_tiny()
+    path = write_gguf(tiny, "olmo2", tmp_path / "gguf" / "olmo2.gguf", qtype)
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight", "blk.1.attn_q_norm.weight"} <= names
+    assert not any(n.endswith(("attn_norm.weight", "ffn_norm.weight")) for n in names)
+    config = ModelConfig.from_path(str(path), dtype="float32")
+    assert config.architecture == "Olmo2ForCausalLM" and config.sliding_window is None
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert config.eos_token_ids == [263, 261] and not config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(str(materialize_gguf(path)))       # converted without transformers' config
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 263
+    model = load_model(config, "cpu", show_progress=False)
+    assert isinstance(model.model.layers[1].mlp.gate_up_proj.packed_weight, QuantWeight) == (qtype == Q8_0)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(13)).tolist()
+    ours = _prefill_logits(model, config, ids, page_size=16)
+    reference = q8_rounded_copy(tiny) if qtype == Q8_0 else tiny
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0]
+    diff, top = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    if qtype == Q8_0 and kernel:
+        assert diff <= 0.05 * top, (diff, top)
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+        return
+    assert diff <= 1e-4, (diff, top)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    if qtype == F32:
+        runner = PagedRunner(model, config, page_size=16, num_pages=16)
+        assert_greedy_from_shared_prefix_matches_hf(runner, tiny, VOCAB, new_tokens=8)
+
+
+def test_olmo3_sliding_window_file_is_refused(tmp_path, monkeypatch):
+    """llama.cpp writes OLMo 3 as olmo2 with a sliding window (every 4th layer global); not implemented."""
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(olmo2_tiny(), "olmo2", tmp_path / "src" / "olmo2.gguf", F32)
+    bad = _with_key(path, tmp_path / "olmo3.gguf", "olmo2.attention.sliding_window", 16, gguf.GGUFValueType.UINT32)
+    with pytest.raises(ModelLoadError, match="sliding_window is not implemented for olmo2"):
+        ModelConfig.from_path(str(bad))
