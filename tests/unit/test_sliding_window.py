@@ -1,6 +1,7 @@
-"""Sliding-window models against HF transformers fp32: a tiny random Mistral and Phi-3 (every layer
-windowed; Phi-3 also loads fused qkv/gate_up tensors) and a Qwen2 with use_sliding_window (layers
->= max_window_layers windowed, the rest full).
+"""Sliding-window models against HF transformers fp32: a tiny random Mistral, Phi-3 and Mixtral (every
+layer windowed; Phi-3 also loads fused qkv/gate_up tensors) and a Qwen2 and Qwen2-MoE with
+use_sliding_window (Qwen2: layers >= max_window_layers windowed; Qwen2-MoE: layers below it, as
+transformers' configs say).
 
 The window is 48 tokens and the prompts are longer (60-130), so a model that ignored the window
 would differ. Runs the paged model directly (kernels on and off, page sizes 1 and 16, chunked
@@ -27,9 +28,9 @@ NEW_TOKENS = 8
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3", "mixtral", "qwen2_moe"])
 def swa_model(request, tmp_path_factory, llama_path: str):
-    from transformers import MistralConfig, Phi3Config, Qwen2Config
+    from transformers import MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2000, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
@@ -38,13 +39,21 @@ def swa_model(request, tmp_path_factory, llama_path: str):
         config = MistralConfig(**common, num_hidden_layers=2, head_dim=16)
     elif request.param == "phi3":                     # fused qkv_proj / gate_up_proj checkpoint tensors
         config = Phi3Config(**common, num_hidden_layers=2)
+    elif request.param == "mixtral":                  # experts, every layer windowed
+        config = MixtralConfig(**common, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+    elif request.param == "qwen2_moe":                # experts + shared expert; layer 0 windowed (its
+                                                      # config windows layers < max_window_layers)
+        config = Qwen2MoeConfig(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                shared_expert_intermediate_size=128, norm_topk_prob=True)
     else:
         config = Qwen2Config(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
     folder = tmp_path_factory.mktemp(request.param)
     hf = save_random_hf_model(config, folder, tokenizer_from=llama_path)
     ours, model = load_ours(folder)
     assert ours.sliding_window == WINDOW
-    assert ours.sliding_window_layers == ((1, 2) if request.param == "qwen2" else (0, 1))
+    expected = {"qwen2": (1, 2), "qwen2_moe": (0,)}.get(request.param, (0, 1))   # transformers' layer_types
+    assert ours.sliding_window_layers == expected
     return str(folder), ours, model, hf
 
 
