@@ -1,5 +1,5 @@
-"""Sliding-window models against HF transformers fp32: a tiny random Mistral, Phi-3 and Mixtral (every
-layer windowed; Phi-3 also loads fused qkv/gate_up tensors) and a Qwen2 and Qwen2-MoE with
+"""Sliding-window models against HF transformers fp32: a tiny random Mistral, Phi-3, Mixtral and
+Qwen3-MoE (every layer windowed; Phi-3 also loads fused qkv/gate_up tensors) and a Qwen2 and Qwen2-MoE with
 use_sliding_window (Qwen2: layers >= max_window_layers windowed; Qwen2-MoE: layers below it, as
 transformers' configs say).
 
@@ -28,9 +28,9 @@ NEW_TOKENS = 8
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def swa_model(request, tmp_path_factory, llama_path: str):
-    from transformers import MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
+    from transformers import MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2000, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
@@ -46,6 +46,9 @@ def swa_model(request, tmp_path_factory, llama_path: str):
         config = Qwen2MoeConfig(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1,
                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                 shared_expert_intermediate_size=128, norm_topk_prob=True)
+    elif request.param == "qwen3_moe":                # use_sliding_window: every layer (no layer_types)
+        config = Qwen3MoeConfig(**common, num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=64, norm_topk_prob=True, use_sliding_window=True)
     else:
         config = Qwen2Config(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
     folder = tmp_path_factory.mktemp(request.param)
