@@ -13,6 +13,7 @@ fit the 64 MiB that travels to the GPU machine, so SmolLM2's own weights are not
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -103,6 +104,65 @@ def phase_cuda_graphs(results_dir: Path) -> tuple[bool, str]:
             return False, f"P={P}: graphs on {on} != off {off}"
         notes.append(f"P={P} identical")
     return True, ", ".join(notes)
+
+
+def tiny_moe_d64(results_dir: Path) -> str:
+    """A tiny random Qwen3-MoE (head_dim 64, 8 experts top-2, sizes multiples of 16 for the grouped
+    matmul), built once beside the other tiny models with their tokenizer."""
+    import torch
+    from make_tiny_models import build_model
+    from transformers import Qwen3MoeConfig
+
+    tiny_d64(results_dir)                                # the tokenizer folder
+    folder = results_dir / "models" / "qwen3moe-d64"
+    if not (folder / "config.json").exists():
+        base = json.loads((results_dir / "models" / "llama" / "config.json").read_text())
+        config = Qwen3MoeConfig(vocab_size=base["vocab_size"], eos_token_id=base["eos_token_id"],
+                                pad_token_id=base["pad_token_id"], bos_token_id=base["pad_token_id"],
+                                hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                                norm_topk_prob=True, max_position_embeddings=2048, initializer_range=0.1,
+                                tie_word_embeddings=False)
+        folder.mkdir(parents=True, exist_ok=True)
+        with torch.device("cpu"):
+            build_model("qwen3moe-d64", config, 11, folder, results_dir / "models" / "tokenizer")
+    return str(folder)
+
+
+def phase_moe(results_dir: Path) -> tuple[bool, str]:
+    """MoE on CUDA: the grouped-matmul experts vs the torch loop (a random bf16 block), then a tiny
+    Qwen3-MoE: greedy with CUDA graphs on == off, and against HF bf16 (near ties allowed)."""
+    import gpu_check
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.layers.moe import SparseMoeBlock
+    from radixlm.runtime.layers.moe_grouped import grouped_mm_supported
+
+    if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
+        return None, f"no grouped matmul on {torch.cuda.get_device_name()} (needs sm90+): the torch loop runs"
+    torch.manual_seed(0)
+    block = SparseMoeBlock(256, 8, 2, 128, True, 256).to("cuda", torch.bfloat16)
+    for p in block.parameters():
+        p.data.normal_(0, 0.1)
+    notes = []
+    for n in (1, 7, 64):
+        x = torch.randn(n, 256, device="cuda", dtype=torch.bfloat16)
+        want, got = block.forward_native(x).float(), block(x).float()
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        if err > 2e-2:
+            return False, f"grouped vs loop, n={n}: relative error {err:.3g}"
+        notes.append(f"n={n} {err:.1e}")
+    path = tiny_moe_d64(results_dir)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 23, 61)]
+    on = gpu_check.runner_greedy(path, "flashinfer", 16, "bfloat16", prompts, 12)
+    off = gpu_check.runner_greedy(path, "flashinfer", 16, "bfloat16", prompts, 12, disable_cuda_graph=True)
+    if on != off:
+        return False, f"graphs on {on} != off {off}"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    ok, detail = gpu_check.compare_greedy(hf, prompts, on, gpu_check.hf_generate(hf, prompts, 12), 0.15)
+    return ok, f"grouped vs loop {', '.join(notes)}; graphs on == off; vs HF: {detail}"
 
 
 def phase_serving(results_dir: Path) -> tuple[bool, str]:
@@ -255,13 +315,14 @@ def phase_decode_tps(results_dir: Path) -> tuple[bool, str]:
 
 
 PHASES = [
-    Phase("flashinfer_jit", 170, phase_flashinfer_jit),
+    Phase("flashinfer_jit", 150, phase_flashinfer_jit),
     Phase("attention", 45, phase_attention),
     Phase("greedy_hf", 45, phase_greedy_hf),
     Phase("cuda_graphs", 30, phase_cuda_graphs),
+    Phase("moe", 30, phase_moe),
     Phase("serving", 45, phase_serving),
     Phase("http", 40, phase_http),
-    Phase("decode_tps", 45, phase_decode_tps),
+    Phase("decode_tps", 35, phase_decode_tps),
 ]
 
 
