@@ -15,7 +15,8 @@ The per-expert counts are read on the host (a sync on CUDA), so MoE layers refus
 On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
 the experts run in one call of kernels/cpu_moe (grouping, gate_up, SiLU*mul, down and the weighted
 sum in fp32, experts x output blocks spread over the threads); routing and the shared expert stay
-here. `forward_native` is the torch loop: the fallback and the reference.
+here. The one-call CPU decoder (kernels/cpu_decoder) runs that same fused path in C++ at decode.
+`forward_native` is the torch loop: the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ...kernels.cpu_moe import load_cpu_moe
 from ..distributed.parallel_state import get_tp_size, tp_all_reduce
 from .activation import SiluAndMul
 from .linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
-from .packed_linear import GemmWeight
+from .packed_linear import GemmWeight, linear_silu_mul
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class ExpertMLP(nn.Module):
         self.gate_up_proj.prefer_gemm = self.down_proj.prefer_gemm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = linear_silu_mul(x, self.gate_up_proj)       # one pass over the gemm layout where it applies,
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)) if h is None else h)   # as the decoder does
 
 
 def _replicated(in_features: int, out_features: int) -> nn.Linear:

@@ -128,15 +128,19 @@ def assert_decoder_matches_python_forward(runner, steps: int = 3) -> None:
             ids = runner.model.compute_logits(got).argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe-shared64", "qwen3_moe", "mixtral"])
 def test_moe_decoder_equals_python_forward(name: str, llama_path: str, tmp_path, monkeypatch) -> None:
     """bf16 experts in the gemm layout: the sparse layers in C++ give the Python forward's bits; fp32
-    experts (the torch loop) keep the Python forward, and the log says why."""
+    experts (the torch loop) keep the Python forward. qwen2_moe-shared64: a shared expert whose
+    gate_up halves are whole 64-row blocks (the fused gate_up + SiLU*mul pass)."""
     from radixlm.kernels.cpu_gemm import gemm_enabled
     from tests.unit.test_moe_models import hf_config
     from tests.unit.test_models_vs_hf import save_random_hf_model
 
-    save_random_hf_model(hf_config(name), tmp_path, tokenizer_from=llama_path)
+    config = hf_config(name.split("-")[0])
+    if name.endswith("shared64"):
+        config.shared_expert_intermediate_size = 64
+    save_random_hf_model(config, tmp_path, tokenizer_from=llama_path)
     assert isinstance(_runner(str(tmp_path), "float32").decode_forward, CompiledDecode)
     if not gemm_enabled():
         pytest.skip("MoE layers in the decoder need the AVX512-BF16 gemm kernel")
