@@ -19,7 +19,7 @@
 //     h = o_proj(paged_decode(q, k_cache, v_cache))
 //     h, residual = add_rms_norm(h, residual)
 //     h = down_proj(silu_and_mul(gate_up_proj(h)))   or, in a sparse layer (MoE), SparseMoeBlock's
-//                                                    fused path (runtime/layers/moe.py): router matmul,
+//                                                    fused path (runtime/layers/moe.py): router gemm,
 //                                                    fp32 softmax, top-k (renormalized if the model
 //                                                    says so), kernels/cpu_moe's experts_forward, and
 //                                                    Qwen2-MoE's shared expert times sigmoid(its gate)
@@ -123,7 +123,7 @@ at::Tensor silu_mlp_half(const Linear& gate_up, const at::Tensor& h) {
 using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, QuantParts>;
 Linear make_linear(const LinearArgs& a, bool bias_after);
 
-// router weight [E, hidden], top_k, renormalize, gate_up / down pointer tables (int64 [E], into the
+// router weight [E, hidden] in the gemm layout, top_k, renormalize, gate_up / down pointer tables (int64 [E], into the
 // packed arena; see kernels/cpu_moe), intermediate size, the tensors those pointers point into (kept
 // alive here), and Qwen2-MoE's shared expert: gate_up, down, gate weight [1, hidden] (all or none)
 using MoeArgs = std::tuple<at::Tensor, int64_t, bool, at::Tensor, at::Tensor, int64_t, std::vector<at::Tensor>,
@@ -144,8 +144,7 @@ struct Moe {
 #ifndef RADIXLM_WITH_GEMM
     TORCH_CHECK(false, "cpu_decoder: built without the gemm kernel, so MoE layers are not supported");
 #endif
-    TORCH_CHECK(router.dim() == 2 && gate_up_ptrs.numel() == router.size(0) && down_ptrs.numel() == router.size(0),
-                "cpu_decoder: the router and the expert pointer tables disagree on the number of experts");
+    TORCH_CHECK(gate_up_ptrs.numel() == down_ptrs.numel(), "cpu_decoder: the expert pointer tables differ in size");
     const bool shared = std::get<7>(a).has_value();
     TORCH_CHECK(shared == std::get<8>(a).has_value() && shared == std::get<9>(a).has_value(),
                 "cpu_decoder: a shared expert needs its gate_up, down and gate");
@@ -159,7 +158,8 @@ struct Moe {
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor out;
 #ifdef RADIXLM_WITH_GEMM
-    const at::Tensor probs = at::softmax(at::linear(x, router), -1, at::kFloat);   // moe.py's route()
+    const at::Tensor logits = radixlm_gemm::linear(x, router, gate_up_ptrs.numel(), c10::nullopt);
+    const at::Tensor probs = at::softmax(logits, -1, at::kFloat);   // moe.py's route()
     auto [weights, ids] = at::topk(probs, top_k, -1);
     if (renormalize) weights = weights / weights.sum(-1, true);
     out = radixlm_moe::experts_forward(x, ids.contiguous(), weights.contiguous(), gate_up_ptrs, down_ptrs, inter);
@@ -332,7 +332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "3 quantized parts, 100 + ggml type: cpu_quant's layout; parts: [(packed, ggml type, rows)] for kind 3)")
       .def("add_moe_layer", &radixlm_decoder::Decoder::add_moe_layer,
            "add_moe_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, moe, k_cache, v_cache); moe: "
-           "(router weight [E, hidden], top_k, renormalize, gate_up_ptrs [E], down_ptrs [E], intermediate, "
+           "(router weight packed in the gemm layout, top_k, renormalize, gate_up_ptrs [E], down_ptrs [E], intermediate, "
            "[tensors the pointers point into], shared gate_up|None, shared down|None, shared gate weight|None)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")

@@ -106,10 +106,10 @@ def _linear_args(layer: nn.Module) -> tuple:
 
 def _moe_args(block: SparseMoeBlock) -> tuple:
     """decoder.cpp's MoeArgs: what SparseMoeBlock's fused path uses (fused_tables, checked before)."""
-    _, gate_up, down, inter, packed = block.fused_tables()
+    fused = block.fused_tables()
     shared = block.shared_expert
-    return (block.gate.weight.detach(), block.top_k, block.renormalize, gate_up, down, inter,
-            [w.data for pair in packed for w in pair],
+    return (fused.router, block.top_k, block.renormalize, fused.gate_up, fused.down, fused.inter,
+            [w.data for pair in fused.packed for w in pair],
             None if shared is None else _linear_args(shared.gate_up_proj),
             None if shared is None else _linear_args(shared.down_proj),
             None if shared is None else block.shared_expert_gate.weight.detach())
