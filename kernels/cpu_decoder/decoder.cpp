@@ -123,9 +123,10 @@ at::Tensor silu_mlp_half(const Linear& gate_up, const at::Tensor& h) {
 using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, QuantParts>;
 Linear make_linear(const LinearArgs& a, bool bias_after);
 
-// router weight [E, hidden] in the gemm layout, top_k, renormalize, gate_up / down pointer tables (int64 [E], into the
-// packed arena; see kernels/cpu_moe), intermediate size, the tensors those pointers point into (kept
-// alive here), and Qwen2-MoE's shared expert: gate_up, down, gate weight [1, hidden] (all or none)
+// router weight [E, hidden] in the gemm layout, top_k, renormalize, gate_up / down pointer tables
+// (int64 [E], into the packed arena; see kernels/cpu_moe), intermediate size, the tensors those
+// pointers point into (kept alive here), and Qwen2-MoE's shared expert: gate_up, down, gate weight
+// [1, hidden] (all or none)
 using MoeArgs = std::tuple<at::Tensor, int64_t, bool, at::Tensor, at::Tensor, int64_t, std::vector<at::Tensor>,
                            c10::optional<LinearArgs>, c10::optional<LinearArgs>, c10::optional<at::Tensor>>;
 
@@ -332,8 +333,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "3 quantized parts, 100 + ggml type: cpu_quant's layout; parts: [(packed, ggml type, rows)] for kind 3)")
       .def("add_moe_layer", &radixlm_decoder::Decoder::add_moe_layer,
            "add_moe_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, moe, k_cache, v_cache); moe: "
-           "(router weight packed in the gemm layout, top_k, renormalize, gate_up_ptrs [E], down_ptrs [E], intermediate, "
-           "[tensors the pointers point into], shared gate_up|None, shared down|None, shared gate weight|None)")
+           "(router weight packed in the gemm layout, top_k, renormalize, gate_up_ptrs [E], down_ptrs [E], "
+           "intermediate, [tensors the pointers point into], shared gate_up|None, shared down|None, "
+           "shared gate weight|None)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);

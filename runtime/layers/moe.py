@@ -13,9 +13,9 @@ intermediate size; the down projections skip their all-reduce and the summed out
 The per-expert counts are read on the host (a sync on CUDA), so MoE layers refuse CUDA-graph capture.
 
 On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
-the router runs as a packed gemm too and the experts run in one call of kernels/cpu_moe (grouping, gate_up, SiLU*mul, down and the weighted
-sum in fp32, experts x output blocks spread over the threads); routing and the shared expert stay
-here. The one-call CPU decoder (kernels/cpu_decoder) runs that same fused path in C++ at decode.
+the router runs as a packed gemm too and the experts run in one call of kernels/cpu_moe (grouping,
+gate_up, SiLU*mul, down and the weighted sum in fp32, experts x output blocks spread over the
+threads); softmax/top-k and the shared expert stay here. The one-call CPU decoder (kernels/cpu_decoder) runs that same fused path in C++ at decode.
 `forward_native` is the torch loop: the fallback and the reference.
 """
 
