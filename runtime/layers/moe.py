@@ -15,8 +15,9 @@ The per-expert counts are read on the host (a sync on CUDA), so MoE layers refus
 On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
 the router runs as a packed gemm too and the experts run in one call of kernels/cpu_moe (grouping,
 gate_up, SiLU*mul, down and the weighted sum in fp32, experts x output blocks spread over the
-threads); softmax/top-k and the shared expert stay here. The one-call CPU decoder (kernels/cpu_decoder) runs that same fused path in C++ at decode.
-`forward_native` is the torch loop: the fallback and the reference.
+threads); softmax/top-k and the shared expert stay here. The one-call CPU decoder
+(kernels/cpu_decoder) runs that same fused path in C++ at decode. `forward_native` is the torch
+loop: the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class FusedExperts(NamedTuple):
     inter: int                    # expert intermediate size
     packed: list                  # [(gate_up, down) GemmWeight]: what the pointers point into
     gemm: object                  # kernels/cpu_gemm
-    router: torch.Tensor          # the router weight in the gemm layout (a 64-row block: ~2 us at
-                                  # batch 1, where F.linear's oneDNN call took ~15 us)
+    router: torch.Tensor          # the router weight in the gemm layout (64 experts x 1024: ~2 us
+                                  # at batch 1, where F.linear's oneDNN call took ~15 us)
 
 
 class SparseMoeBlock(nn.Module):

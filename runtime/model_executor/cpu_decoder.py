@@ -12,8 +12,8 @@ counterpart of SGLang's decode CUDA graphs. `--disable-cpu-decoder` turns it off
 runs the Python forward).
 
 It applies to Llama-family models (Llama, Qwen2, Qwen3, and the MoE ones: Qwen2-MoE, Qwen3-MoE,
-Mixtral) on CPU with one tensor-parallel rank, in
-fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
+Mixtral) on CPU with one tensor-parallel rank, in fp32 or bf16, when the fused ops and the
+attention kernels are loaded and torch.compile is off;
 linear weights may be plain, in the AVX512-BF16 gemm layout, in oneDNN's packed layout, or GGUF
 weights kept quantized in kernels/cpu_quant's layout (a fused layer may mix GGUF types, as Q4_K_M's
 qkv does: its parts run one after the other and their outputs are joined, as quant_linear.py does).
