@@ -18,7 +18,11 @@
 //                                                    partial rotary when that is below head_dim)
 //     h = o_proj(paged_decode(q, k_cache, v_cache))
 //     h, residual = add_rms_norm(h, residual)
-//     h = down_proj(silu_and_mul(gate_up_proj(h)))
+//     h = down_proj(silu_and_mul(gate_up_proj(h)))   or, in a sparse layer (MoE), SparseMoeBlock's
+//                                                    fused path (runtime/layers/moe.py): router gemm,
+//                                                    fp32 softmax, top-k (renormalized if the model
+//                                                    says so), kernels/cpu_moe's experts_forward, and
+//                                                    Qwen2-MoE's shared expert times sigmoid(its gate)
 //
 // and after the last layer h = add_rms_norm(h, residual). A linear is radixlm's AVX512-BF16 gemm on
 // a weight in its layout, oneDNN's packed matmul (mkldnn::_linear_pointwise, CPUs without
@@ -28,6 +32,7 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -39,6 +44,7 @@
 #endif
 #ifdef RADIXLM_WITH_GEMM
 #include "gemm_silu.h"
+#include "moe.h"
 #endif
 
 namespace radixlm_decoder {
@@ -113,14 +119,66 @@ at::Tensor silu_mlp_half(const Linear& gate_up, const at::Tensor& h) {
   return act;
 }
 
-struct Layer {
-  at::Tensor input_norm, post_norm, q_norm, k_norm;   // q_norm/k_norm undefined unless per-head norms
-  Linear qkv, o, gate_up, down;
-  at::Tensor k_cache, v_cache;                        // [slots, KVH, D]
-};
-
 // weight, bias, out, kind, quantized parts (kind kQuantParts; else empty)
 using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, QuantParts>;
+Linear make_linear(const LinearArgs& a, bool bias_after);
+
+// router weight [E, hidden] in the gemm layout, top_k, renormalize, gate_up / down pointer tables
+// (int64 [E], into the packed arena; see kernels/cpu_moe), intermediate size, the tensors those
+// pointers point into (kept alive here), and Qwen2-MoE's shared expert: gate_up, down, gate weight
+// [1, hidden] (all or none)
+using MoeArgs = std::tuple<at::Tensor, int64_t, bool, at::Tensor, at::Tensor, int64_t, std::vector<at::Tensor>,
+                           c10::optional<LinearArgs>, c10::optional<LinearArgs>, c10::optional<at::Tensor>>;
+
+// The sparse MLP, as SparseMoeBlock.forward's fused path and _add_shared_and_reduce run it (same ops,
+// same order, so the same bits).
+struct Moe {
+  at::Tensor router, gate_up_ptrs, down_ptrs, shared_gate;   // shared_gate undefined: no shared expert
+  int64_t top_k = 0, inter = 0;
+  bool renormalize = false;
+  std::vector<at::Tensor> keep;
+  Linear shared_gate_up, shared_down;
+
+  explicit Moe(const MoeArgs& a)
+      : router(std::get<0>(a)), gate_up_ptrs(std::get<3>(a)), down_ptrs(std::get<4>(a)), top_k(std::get<1>(a)),
+        inter(std::get<5>(a)), renormalize(std::get<2>(a)), keep(std::get<6>(a)) {
+#ifndef RADIXLM_WITH_GEMM
+    TORCH_CHECK(false, "cpu_decoder: built without the gemm kernel, so MoE layers are not supported");
+#endif
+    TORCH_CHECK(gate_up_ptrs.numel() == down_ptrs.numel(), "cpu_decoder: the expert pointer tables differ in size");
+    const bool shared = std::get<7>(a).has_value();
+    TORCH_CHECK(shared == std::get<8>(a).has_value() && shared == std::get<9>(a).has_value(),
+                "cpu_decoder: a shared expert needs its gate_up, down and gate");
+    if (shared) {
+      shared_gate_up = make_linear(*std::get<7>(a), false);
+      shared_down = make_linear(*std::get<8>(a), true);
+      shared_gate = *std::get<9>(a);
+    }
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor out;
+#ifdef RADIXLM_WITH_GEMM
+    const at::Tensor logits = radixlm_gemm::linear(x, router, gate_up_ptrs.numel(), c10::nullopt);
+    const at::Tensor probs = at::softmax(logits, -1, at::kFloat);   // moe.py's route()
+    auto [weights, ids] = at::topk(probs, top_k, -1);
+    if (renormalize) weights = weights / weights.sum(-1, true);
+    out = radixlm_moe::experts_forward(x, ids.contiguous(), weights.contiguous(), gate_up_ptrs, down_ptrs, inter);
+    if (shared_gate.defined()) {
+      const at::Tensor gate = at::sigmoid(at::linear(x, shared_gate).to(at::kFloat));
+      out += (shared_down(silu_mlp_half(shared_gate_up, x)).to(at::kFloat) * gate).to(x.scalar_type());
+    }
+#endif
+    return out;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm;   // q_norm/k_norm undefined unless per-head norms
+  Linear qkv, o, gate_up, down;                       // gate_up/down unset in a sparse layer
+  std::shared_ptr<Moe> moe;                           // null in a dense layer
+  at::Tensor k_cache, v_cache;                        // [slots, KVH, D]
+};
 
 Linear make_linear(const LinearArgs& a, bool bias_after) {
   Linear l;
@@ -165,22 +223,20 @@ class Decoder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm, const LinearArgs& qkv, const LinearArgs& o,
                  const LinearArgs& gate_up, const LinearArgs& down, at::Tensor k_cache, at::Tensor v_cache) {
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-                    k_cache.size(1) == KVH_ && k_cache.size(2) == D_ && v_cache.sizes() == k_cache.sizes(),
-                "cpu_decoder: K/V caches must be contiguous [slots, kv_heads, head_dim]");
-    TORCH_CHECK(std::get<2>(qkv) == (H_ + 2 * KVH_) * D_, "cpu_decoder: qkv_proj has the wrong output size");
-    Layer l;
-    l.input_norm = std::move(input_norm);
-    l.post_norm = std::move(post_norm);
-    if (q_norm.has_value()) l.q_norm = *q_norm;
-    if (k_norm.has_value()) l.k_norm = *k_norm;
-    l.qkv = make_linear(qkv, false);
-    l.o = make_linear(o, true);
-    l.gate_up = make_linear(gate_up, false);
-    l.down = make_linear(down, true);
-    l.k_cache = std::move(k_cache);
-    l.v_cache = std::move(v_cache);
-    layers_.push_back(std::move(l));
+    Linear gate_up_l = make_linear(gate_up, false), down_l = make_linear(down, true);
+    Layer& l = add_attention(std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), qkv,
+                             o, std::move(k_cache), std::move(v_cache));
+    l.gate_up = std::move(gate_up_l);
+    l.down = std::move(down_l);
+  }
+
+  // A layer whose MLP is a mixture of experts (MoeArgs).
+  void add_moe_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                     c10::optional<at::Tensor> k_norm, const LinearArgs& qkv, const LinearArgs& o, const MoeArgs& moe,
+                     at::Tensor k_cache, at::Tensor v_cache) {
+    auto sparse = std::make_shared<Moe>(moe);
+    add_attention(std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), qkv, o,
+                  std::move(k_cache), std::move(v_cache)).moe = std::move(sparse);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -223,13 +279,34 @@ class Decoder {
                            scaling_, 0);
       h = L.o(attn.view({bs, q_size}));
       radixlm_ops::fused_add_rms_norm(h, residual, L.post_norm, eps_);
-      h = L.down(silu_mlp_half(L.gate_up, h));
+      h = L.moe ? (*L.moe)(h) : L.down(silu_mlp_half(L.gate_up, h));
     }
     radixlm_ops::fused_add_rms_norm(h, residual, final_norm_, eps_);
     return h;
   }
 
  private:
+  // A new layer with its norms, attention and K/V caches (its MLP left to the caller).
+  Layer& add_attention(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                       c10::optional<at::Tensor> k_norm, const LinearArgs& qkv, const LinearArgs& o,
+                       at::Tensor k_cache, at::Tensor v_cache) {
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                    k_cache.size(1) == KVH_ && k_cache.size(2) == D_ && v_cache.sizes() == k_cache.sizes(),
+                "cpu_decoder: K/V caches must be contiguous [slots, kv_heads, head_dim]");
+    TORCH_CHECK(std::get<2>(qkv) == (H_ + 2 * KVH_) * D_, "cpu_decoder: qkv_proj has the wrong output size");
+    Layer l;
+    l.input_norm = std::move(input_norm);
+    l.post_norm = std::move(post_norm);
+    if (q_norm.has_value()) l.q_norm = *q_norm;
+    if (k_norm.has_value()) l.k_norm = *k_norm;
+    l.qkv = make_linear(qkv, false);
+    l.o = make_linear(o, true);
+    l.k_cache = std::move(k_cache);
+    l.v_cache = std::move(v_cache);
+    layers_.push_back(std::move(l));
+    return layers_.back();
+  }
+
   // RMSNorm over each head of x [bs, heads*D] -> a new contiguous [bs, heads*D]
   at::Tensor head_norm(const at::Tensor& x, int64_t heads, const at::Tensor& weight) const {
     at::Tensor out = at::empty({x.size(0), heads, D_}, x.options());
@@ -254,6 +331,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "add_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, gate_up, down, k_cache, v_cache); "
            "each linear is (weight, bias|None, out_features, kind: 0 dense, 1 gemm layout, 2 oneDNN packed, "
            "3 quantized parts, 100 + ggml type: cpu_quant's layout; parts: [(packed, ggml type, rows)] for kind 3)")
+      .def("add_moe_layer", &radixlm_decoder::Decoder::add_moe_layer,
+           "add_moe_layer(input_norm, post_norm, q_norm|None, k_norm|None, qkv, o, moe, k_cache, v_cache); moe: "
+           "(router weight packed in the gemm layout, top_k, renormalize, gate_up_ptrs [E], down_ptrs [E], "
+           "intermediate, [tensors the pointers point into], shared gate_up|None, shared down|None, "
+           "shared gate weight|None)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);

@@ -21,8 +21,8 @@ from ..cpu_build import load_extension
 from ..cpu_gemm import GEMM_FLAGS, gemm_enabled
 
 _KERNELS = Path(__file__).parent.parent
-_HEADERS = [Path(__file__).parent / "moe.h", _KERNELS / "cpu_gemm" / "gemm.h", _KERNELS / "cpu_ops" / "fused_ops.h",
-            _KERNELS / "cpu_attention" / "simd.h"]
+_HEADERS = [Path(__file__).parent / "moe.h", _KERNELS / "cpu_gemm" / "gemm.h", _KERNELS / "cpu_gemm" / "gemm_silu.h",
+            _KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "simd.h"]
 
 
 @functools.cache

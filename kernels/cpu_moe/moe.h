@@ -10,6 +10,8 @@
 //      Spreading experts x blocks over the threads keeps both cores busy when each expert got one
 //      or two rows (decode), where a per-expert gemm would have 12 blocks and a thread launch each.
 //   3. act: a = round(round(silu(gate)) * up) per row (cpu_ops' silu_and_mul_row: torch's rounding).
+//      Where I is a multiple of 64, steps 2 and 3 are one pass (grouped_gate_up_silu: gemm_silu.h's
+//      tiles, the same bits, one parallel region fewer and no [n*k, 2I] buffer).
 //   4. down: tasks (expert, 64-row block of down) -> ys [n*k, H] bf16 (each rounded as F.linear's is).
 //   5. combine: out[t] = round_bf16(sum_j w[t, j] * ys[pair(t, j)]) with the sum in fp32, per token,
 //      slots in j order (no atomics, the same result for any thread count).
@@ -25,6 +27,7 @@
 
 #include "fused_ops.h"
 #include "gemm.h"
+#include "gemm_silu.h"
 
 namespace radixlm_moe {
 
@@ -51,6 +54,28 @@ inline void grouped_gemm(const bf16* in, int64_t K, const int64_t* ptrs, int64_t
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t e = active[t / blocks], b = t % blocks, r0 = starts[e];
       run_block(in + r0 * K, K, starts[e + 1] - r0, reinterpret_cast<const bf16*>(ptrs[e]), K, N, b, out + r0 * N, N);
+    }
+  });
+}
+
+// Steps 2-3 in one pass where the intermediate size is whole 64-row blocks (gemm_silu.h's way, the
+// same bits): tasks (expert with rows, block b of I) compute gate block b and up block b + I / kBlock
+// of the expert's packed gate_up for its rows, tile by tile, and write silu(gate) * up -> a [P, I].
+inline void grouped_gate_up_silu(const bf16* in, int64_t K, const int64_t* ptrs, int64_t I,
+                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& active, bf16* a) {
+  const int64_t blocks = I / kBlock, tasks = static_cast<int64_t>(active.size()) * blocks, K2 = K / 2;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    bf16 gate[radixlm_gemm::kMaxTileRows * kBlock], up[radixlm_gemm::kMaxTileRows * kBlock];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / blocks], b = t % blocks, r0 = starts[e], rows = starts[e + 1] - r0;
+      const bf16* w = reinterpret_cast<const bf16*>(ptrs[e]);
+      const bf16 *wg = w + b * K2 * kBlock * 2, *wu = w + (b + blocks) * K2 * kBlock * 2;
+      for (int64_t m = 0, mr; m < rows; m += mr) {
+        mr = radixlm_gemm::next_tile_rows(rows - m);
+        radixlm_gemm::gate_up_tile(mr, in + (r0 + m) * K, K, wg, wu, K2, gate, up);
+        for (int64_t r = 0; r < mr; ++r)
+          radixlm_ops::silu_and_mul_row(a + (r0 + m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
+      }
     }
   });
 }
@@ -91,18 +116,25 @@ inline at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& ids, co
     }
   }
   auto opts = x.options();
-  at::Tensor xs = at::empty({P, H}, opts), h = at::empty({P, 2 * inter}, opts), a = at::empty({P, inter}, opts);
+  at::Tensor xs = at::empty({P, H}, opts), a = at::empty({P, inter}, opts);
   at::Tensor ys = at::empty({P, H}, opts), out = at::empty({n, H}, opts);
   const bf16* xp = x.data_ptr<bf16>();
-  bf16 *xsp = xs.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *ap = a.data_ptr<bf16>(), *ysp = ys.data_ptr<bf16>();
+  bf16 *xsp = xs.data_ptr<bf16>(), *ap = a.data_ptr<bf16>(), *ysp = ys.data_ptr<bf16>();
   at::parallel_for(0, P, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) std::memcpy(xsp + r * H, xp + src[r] * H, H * sizeof(bf16));
   });
-  // 2-4. gate_up, SiLU * up, down
-  grouped_gemm(xsp, H, gate_up_ptrs.data_ptr<int64_t>(), 2 * inter, starts, active, hp);
-  at::parallel_for(0, P, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) radixlm_ops::silu_and_mul_row(ap + r * inter, hp + r * 2 * inter, hp + r * 2 * inter + inter, inter);
-  });
+  // 2-4. gate_up, SiLU * up (in one pass where inter is whole blocks), down
+  if (inter % kBlock == 0) {
+    grouped_gate_up_silu(xsp, H, gate_up_ptrs.data_ptr<int64_t>(), inter, starts, active, ap);
+  } else {
+    at::Tensor h = at::empty({P, 2 * inter}, opts);
+    bf16* hp = h.data_ptr<bf16>();
+    grouped_gemm(xsp, H, gate_up_ptrs.data_ptr<int64_t>(), 2 * inter, starts, active, hp);
+    at::parallel_for(0, P, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        radixlm_ops::silu_and_mul_row(ap + r * inter, hp + r * 2 * inter, hp + r * 2 * inter + inter, inter);
+    });
+  }
   grouped_gemm(ap, inter, down_ptrs.data_ptr<int64_t>(), H, starts, active, ysp);
   // 5. weighted sum per token, fp32, slots in order
   bf16* op = out.data_ptr<bf16>();

@@ -13,23 +13,27 @@ intermediate size; the down projections skip their all-reduce and the summed out
 The per-expert counts are read on the host (a sync on CUDA), so MoE layers refuse CUDA-graph capture.
 
 On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
-the experts run in one call of kernels/cpu_moe (grouping, gate_up, SiLU*mul, down and the weighted
-sum in fp32, experts x output blocks spread over the threads); routing and the shared expert stay
-here. `forward_native` is the torch loop: the fallback and the reference.
+the router runs as a packed gemm too and the experts run in one call of kernels/cpu_moe (grouping,
+gate_up, SiLU*mul, down and the weighted sum in fp32, experts x output blocks spread over the
+threads); softmax/top-k and the shared expert stay here. The one-call CPU decoder
+(kernels/cpu_decoder) runs that same fused path in C++ at decode. `forward_native` is the torch
+loop: the fallback and the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from ...kernels.cpu_gemm import load_cpu_gemm
 from ...kernels.cpu_moe import load_cpu_moe
 from ..distributed.parallel_state import get_tp_size, tp_all_reduce
 from .activation import SiluAndMul
 from .linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
-from .packed_linear import GemmWeight
+from .packed_linear import GemmWeight, linear_silu_mul
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class ExpertMLP(nn.Module):
         self.gate_up_proj.prefer_gemm = self.down_proj.prefer_gemm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = linear_silu_mul(x, self.gate_up_proj)       # one pass over the gemm layout where it applies,
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)) if h is None else h)   # as the decoder does
 
 
 def _replicated(in_features: int, out_features: int) -> nn.Linear:
@@ -76,6 +81,19 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+class FusedExperts(NamedTuple):
+    """What SparseMoeBlock's fused path (and the one-call CPU decoder) runs on."""
+
+    mod: object                   # kernels/cpu_moe
+    gate_up: torch.Tensor         # int64 [E]: data pointers of each expert's packed gate_up
+    down: torch.Tensor            # int64 [E]: ... and down
+    inter: int                    # expert intermediate size
+    packed: list                  # [(gate_up, down) GemmWeight]: what the pointers point into
+    gemm: object                  # kernels/cpu_gemm
+    router: torch.Tensor          # the router weight in the gemm layout (64 experts x 1024: ~2 us
+                                  # at batch 1, where F.linear's oneDNN call took ~15 us)
+
+
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one decoder layer. Checkpoint names: `gate` (router), `experts.{e}.gate_proj /
     up_proj / down_proj`, and for Qwen2-MoE `shared_expert.*` and `shared_expert_gate`."""
@@ -90,11 +108,12 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (ExpertMLP(hidden_size, shared_intermediate_size, reduce_results=False)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = _replicated(hidden_size, 1) if shared_intermediate_size else None
-        self._fused: tuple | None = None   # (kernel module, gate_up ptrs, down ptrs, intermediate, weights kept)
+        self._fused: FusedExperts | tuple | None = None   # () once found unusable
 
-    def fused_tables(self) -> tuple | None:
-        """kernels/cpu_moe and its per-expert pointer tables when every expert's gate_up and down are
-        in the gemm layout, else None. Decided once, after packing (pack_linear_weights) has run."""
+    def fused_tables(self) -> FusedExperts | None:
+        """kernels/cpu_moe, its per-expert pointer tables and the packed router when every expert's
+        gate_up and down are in the gemm layout, else None. Decided once, after packing
+        (pack_linear_weights) has run."""
         if self._fused is not None:
             return self._fused or None
         layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
@@ -109,7 +128,10 @@ class SparseMoeBlock(nn.Module):
             return None
         gate_up = torch.tensor([g.data.data_ptr() for g, _ in packed], dtype=torch.int64)
         down = torch.tensor([d.data.data_ptr() for _, d in packed], dtype=torch.int64)
-        self._fused = (mod, gate_up, down, inter, packed)
+        gemm = load_cpu_gemm()
+        router = torch.empty(gemm.packed_numel(*self.gate.weight.shape), dtype=torch.bfloat16)
+        gemm.pack(self.gate.weight.detach().contiguous(), router)
+        self._fused = FusedExperts(mod, gate_up, down, inter, packed, gemm, router)
         return self._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +142,11 @@ class SparseMoeBlock(nn.Module):
         fused = self.fused_tables() if x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] > 0 else None
         if fused is None:
             return self.forward_native(x)
-        mod, gate_up, down, inter, _ = fused
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = mod.experts_forward(x.contiguous(), ids.contiguous(), weights.contiguous(), gate_up, down, inter)
+        x = x.contiguous()
+        logits = fused.gemm.linear(x, fused.router, self.num_experts, None)   # the router, in the gemm layout
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        out = fused.mod.experts_forward(x, ids.contiguous(), weights.contiguous(), fused.gate_up, fused.down,
+                                        fused.inter)
         return self._add_shared_and_reduce(x, out)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,14 @@ the same order with the same arguments, so its output equals the Python forward'
 counterpart of SGLang's decode CUDA graphs. `--disable-cpu-decoder` turns it off (prefill always
 runs the Python forward).
 
-It applies to Llama-family models (Llama, Qwen2, Qwen3) on CPU with one tensor-parallel rank, in
-fp32 or bf16, when the fused ops and the attention kernels are loaded and torch.compile is off;
+It applies to Llama-family models (Llama, Qwen2, Qwen3, and the MoE ones: Qwen2-MoE, Qwen3-MoE,
+Mixtral) on CPU with one tensor-parallel rank, in fp32 or bf16, when the fused ops and the
+attention kernels are loaded and torch.compile is off;
 linear weights may be plain, in the AVX512-BF16 gemm layout, in oneDNN's packed layout, or GGUF
 weights kept quantized in kernels/cpu_quant's layout (a fused layer may mix GGUF types, as Q4_K_M's
 qkv does: its parts run one after the other and their outputs are joined, as quant_linear.py does).
+A sparse (MoE) layer runs SparseMoeBlock's fused path in C++ (router, fp32 softmax, top-k, the
+kernels/cpu_moe experts, the gated shared expert), so it needs bf16 experts in the gemm layout.
 `create` logs why not otherwise, and the Python forward runs.
 """
 
@@ -28,6 +31,7 @@ from torch import nn
 
 from ...kernels import cpu_ops
 from ...kernels.cpu_decoder import load_cpu_decoder
+from ..layers.moe import SparseMoeBlock
 from ..layers.packed_linear import GemmWeight
 from ..layers.quant_linear import QuantWeight
 from .forward_batch import ForwardBatch
@@ -60,12 +64,15 @@ class CpuDecoder:
                                           inner.norm.weight.detach())
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            impl.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                           None if attn.q_norm is None else attn.q_norm.weight.detach(),
-                           None if attn.k_norm is None else attn.k_norm.weight.detach(),
-                           _linear_args(attn.qkv_proj), _linear_args(attn.o_proj),
-                           _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
-                           kv_cache.k_buffer[i], kv_cache.v_buffer[i])
+            common = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                      None if attn.q_norm is None else attn.q_norm.weight.detach(),
+                      None if attn.k_norm is None else attn.k_norm.weight.detach(),
+                      _linear_args(attn.qkv_proj), _linear_args(attn.o_proj))
+            if isinstance(mlp, SparseMoeBlock):
+                impl.add_moe_layer(*common, _moe_args(mlp), kv_cache.k_buffer[i], kv_cache.v_buffer[i])
+            else:
+                impl.add_layer(*common, _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
+                               kv_cache.k_buffer[i], kv_cache.v_buffer[i])
         logger.info("One-call CPU decoder on: decode steps run the %d decoder layers in one C++ call",
                     impl.num_layers)
         return cls(impl, inner.embed_tokens)
@@ -97,6 +104,25 @@ def _linear_args(layer: nn.Module) -> tuple:
     return layer.weight.detach(), bias, layer.weight.shape[0], DENSE, []
 
 
+def _moe_args(block: SparseMoeBlock) -> tuple:
+    """decoder.cpp's MoeArgs: what SparseMoeBlock's fused path uses (fused_tables, checked before)."""
+    fused = block.fused_tables()
+    shared = block.shared_expert
+    return (fused.router, block.top_k, block.renormalize, fused.gate_up, fused.down, fused.inter,
+            [w.data for pair in fused.packed for w in pair],
+            None if shared is None else _linear_args(shared.gate_up_proj),
+            None if shared is None else _linear_args(shared.down_proj),
+            None if shared is None else block.shared_expert_gate.weight.detach())
+
+
+def _mlp_linears(mlp: nn.Module) -> tuple[nn.Module, ...]:
+    """The linear layers of a dense MLP, or of a sparse one's shared expert (its experts: fused_tables)."""
+    if isinstance(mlp, SparseMoeBlock):
+        shared = mlp.shared_expert
+        return () if shared is None else (shared.gate_up_proj, shared.down_proj)
+    return mlp.gate_up_proj, mlp.down_proj
+
+
 def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> str | None:
     from ..layers.attention.torch_native import TorchNativeAttnBackend
     from ..models.llama import LlamaModel
@@ -123,8 +149,9 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     if first.rotary_emb.cos_cache.dtype != torch.float32:
         return "rotary cache not fp32"
     for layer in inner.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj):
+        if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.fused_tables() is None:
+            return "MoE experts not in the AVX512-BF16 gemm layout (bf16 weights and kernels/cpu_moe needed)"
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)):
             quant = linear.packed_weight
             if isinstance(quant, QuantWeight) and not all(p.packed for p in quant.parts):
                 return "GGUF weights kept quantized without the quantized kernel"

@@ -194,9 +194,9 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             if layer.self_attn.attn.sliding_window_size >= 0:
                 return "sliding-window attention layers"
-            if not isinstance(layer.mlp, LlamaMLP):
-                return "a mixture-of-experts MLP"
-            if layer.mlp.act != "silu":
+            if not isinstance(layer.mlp, (LlamaMLP, SparseMoeBlock)):
+                return f"a {type(layer.mlp).__name__} MLP"
+            if isinstance(layer.mlp, LlamaMLP) and layer.mlp.act != "silu":
                 return f"a {layer.mlp.act} MLP"
             if layer.post_norms:
                 return "post-attention / post-MLP norms"

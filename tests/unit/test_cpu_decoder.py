@@ -3,7 +3,9 @@ exactly what the Python forward computes: the same hidden states and the same K/
 bit, on the tiny Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k norms) in fp32 (dense weights,
 at::linear) and bf16 (the packed AVX512-BF16 gemm layout where the CPU has it), over a ragged batch
 whose requests sit at different lengths and in scattered KV slots; and in bf16 with the weights in
-oneDNN's packed layout (CPUs without AVX512-BF16). Greedy agreement with HF goes
+oneDNN's packed layout (CPUs without AVX512-BF16); and the MoE models (Qwen2-MoE with its shared
+expert and a dense layer, Qwen3-MoE, Mixtral) in bf16, whose sparse layers run SparseMoeBlock's fused
+path (router, softmax, top-k, kernels/cpu_moe) in C++. Greedy agreement with HF goes
 through the scheduler tests (test_models_vs_hf), which run this decoder by default."""
 
 from __future__ import annotations
@@ -124,6 +126,28 @@ def assert_decoder_matches_python_forward(runner, steps: int = 3) -> None:
                 assert torch.equal(k[loc], want_kv[layer][0]), f"K of layer {layer}"
                 assert torch.equal(v[loc], want_kv[layer][1]), f"V of layer {layer}"
             ids = runner.model.compute_logits(got).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe-shared64", "qwen3_moe", "mixtral"])
+def test_moe_decoder_equals_python_forward(name: str, llama_path: str, tmp_path, monkeypatch) -> None:
+    """bf16 experts in the gemm layout: the sparse layers in C++ give the Python forward's bits; fp32
+    experts (the torch loop) keep the Python forward. qwen2_moe-shared64: a shared expert whose
+    gate_up halves are whole 64-row blocks (the fused gate_up + SiLU*mul pass)."""
+    from radixlm.kernels.cpu_gemm import gemm_enabled
+    from tests.unit.test_moe_models import hf_config
+    from tests.unit.test_models_vs_hf import save_random_hf_model
+
+    config = hf_config(name.split("-")[0])
+    if name.endswith("shared64"):
+        config.shared_expert_intermediate_size = 64
+    save_random_hf_model(config, tmp_path, tokenizer_from=llama_path)
+    assert isinstance(_runner(str(tmp_path), "float32").decode_forward, CompiledDecode)
+    if not gemm_enabled():
+        pytest.skip("MoE layers in the decoder need the AVX512-BF16 gemm kernel")
+    monkeypatch.setenv("RADIXLM_CPU_LINEAR_KERNEL", "gemm")
+    runner = _runner(str(tmp_path), "bfloat16")
+    assert any(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in runner.model.model.layers)
+    assert_decoder_matches_python_forward(runner)
 
 
 def test_switch_and_bad_slot(llama_path: str) -> None:

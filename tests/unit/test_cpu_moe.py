@@ -40,6 +40,7 @@ def packed_pair(monkeypatch, **kw):
     (33, dict(experts=8, top_k=3, inter=96, renormalize=False)),
     (7, dict(shared=40)),                              # Qwen2-MoE's gated shared expert
     (3, dict(hidden=96, inter=200, experts=4, top_k=4)),
+    (6, dict(inter=128, experts=4, top_k=2)),         # gate_up and SiLU * up in one pass
 ])
 def test_kernel_matches_torch_loop_bf16(monkeypatch, n, kw) -> None:
     ref, fused = packed_pair(monkeypatch, **kw)
@@ -59,7 +60,7 @@ def test_kernel_matches_torch_loop_bf16(monkeypatch, n, kw) -> None:
 def test_ids_and_weights_are_used(monkeypatch) -> None:
     """One expert's output through the kernel equals that expert alone times its weight."""
     _, fused = packed_pair(monkeypatch, experts=4, top_k=1)
-    mod, gate_up, down, inter, _ = fused.fused_tables()
+    mod, gate_up, down, inter = fused.fused_tables()[:4]
     x = (torch.randn(3, 64) * 0.5).to(torch.bfloat16)
     ids = torch.tensor([[2], [0], [2]])
     w = torch.tensor([[0.5], [1.0], [0.25]])
@@ -70,6 +71,19 @@ def test_ids_and_weights_are_used(monkeypatch) -> None:
             torch.testing.assert_close(got[t:t + 1], want, rtol=1e-2, atol=1e-3)
     with pytest.raises(RuntimeError, match="out of range"):
         mod.experts_forward(x, torch.tensor([[4], [0], [1]]), w, gate_up, down, inter)
+
+
+@needs_gemm
+@pytest.mark.parametrize("inter", [48, 128])      # 128: gate_up and SiLU * up in one pass (whole 64-row blocks)
+def test_one_expert_at_weight_one_is_that_expert_bit_for_bit(monkeypatch, inter) -> None:
+    _, fused = packed_pair(monkeypatch, experts=4, top_k=1, inter=inter)
+    f = fused.fused_tables()
+    x = (torch.randn(9, 64) * 0.5).to(torch.bfloat16)
+    ids = torch.tensor([[2], [0], [2], [3], [1], [2], [2], [0], [2]])   # expert 2: 5 rows (tiles of 4 + 1)
+    with torch.inference_mode():
+        got = f.mod.experts_forward(x, ids, torch.ones(9, 1), f.gate_up, f.down, f.inter)
+        want = torch.cat([fused.experts[int(ids[t, 0])](x[t:t + 1]) for t in range(9)])
+    assert torch.equal(got, want)
 
 
 def test_fp32_and_unpacked_blocks_keep_the_torch_loop(monkeypatch) -> None:

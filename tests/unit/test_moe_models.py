@@ -60,7 +60,7 @@ def test_layer_kinds_follow_the_config(moe_model) -> None:
     want = {"qwen2_moe": ["SparseMoeBlock", "LlamaMLP", "SparseMoeBlock"]}.get(name, ["SparseMoeBlock"] * 2)
     assert kinds == want
     assert (model.model.layers[0].mlp.shared_expert is not None) == (name == "qwen2_moe")
-    assert model.model.decoder_blocker() == "a mixture-of-experts MLP"   # the one-call CPU decoder stays off
+    assert model.model.decoder_blocker() is None     # the one-call CPU decoder takes MoE layers (test_cpu_decoder)
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])
