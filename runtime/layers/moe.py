@@ -10,7 +10,9 @@ scaled by their routing weights and scatter-added back (`index_add_`). The loop 
 got tokens, never over tokens. Each expert is a `LlamaMLP`-shaped pair of parallel linear layers, so
 `pack_linear_weights` packs expert weights like the dense ones and TP splits every expert's
 intermediate size; the down projections skip their all-reduce and the summed output is reduced once.
-The per-expert counts are read on the host (a sync on CUDA), so MoE layers refuse CUDA-graph capture.
+The loop reads the per-expert counts on the host. On CUDA the experts run as two grouped matmuls
+instead (moe_grouped.py: the counts stay on the device, so decode can be captured in CUDA graphs)
+where torch has them (bf16, sm90+); elsewhere on CUDA the loop runs and graphs are off.
 
 On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
 the router runs as a packed gemm too and the experts run in one call of kernels/cpu_moe (grouping,
@@ -33,6 +35,7 @@ from ...kernels.cpu_moe import load_cpu_moe
 from ..distributed.parallel_state import get_tp_size, tp_all_reduce
 from .activation import SiluAndMul
 from .linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+from .moe_grouped import grouped_experts, grouped_path_ok, stack_expert_weights
 from .packed_linear import GemmWeight, linear_silu_mul
 
 
@@ -109,6 +112,7 @@ class SparseMoeBlock(nn.Module):
                               if shared_intermediate_size else None)
         self.shared_expert_gate = _replicated(hidden_size, 1) if shared_intermediate_size else None
         self._fused: FusedExperts | tuple | None = None   # () once found unusable
+        self._stacked: tuple | None = None  # CUDA: (gate_up [E, 2I, H], down [E, H, I]); () for the loop
 
     def fused_tables(self) -> FusedExperts | None:
         """kernels/cpu_moe, its per-expert pointer tables and the packed router when every expert's
@@ -136,9 +140,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, hidden] -> [n, hidden]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("MoE layers read per-expert token counts on the host and cannot be captured "
-                               "in a CUDA graph; serve MoE models with --disable-cuda-graph")
+        if x.is_cuda:
+            return self.forward_cuda(x)
         fused = self.fused_tables() if x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] > 0 else None
         if fused is None:
             return self.forward_native(x)
@@ -148,6 +151,22 @@ class SparseMoeBlock(nn.Module):
         out = fused.mod.experts_forward(x, ids.contiguous(), weights.contiguous(), fused.gate_up, fused.down,
                                         fused.inter)
         return self._add_shared_and_reduce(x, out)
+
+    def uses_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return grouped_path_ok(self.experts, device, dtype)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts as two grouped matmuls (moe_grouped.py: no host sync, so CUDA graphs can
+        capture it) where torch has them for this GPU and dtype, else the torch loop."""
+        if self._stacked is None:
+            self._stacked = stack_expert_weights(self.experts) if self.uses_grouped_mm(x.device, x.dtype) else ()
+        if not self._stacked:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("MoE layers without grouped matmuls (bf16 on sm90+) read per-expert "
+                                   "token counts on the host and cannot be captured in a CUDA graph")
+            return self.forward_native(x)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return self._add_shared_and_reduce(x, grouped_experts(x, ids, weights, *self._stacked))
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The torch loop over experts that got tokens (the module docstring)."""

@@ -20,6 +20,7 @@ import torch
 
 from ...kernels.cpu_amx import prepare_onednn_isa
 from ..layers.attention.base import create_backend
+from ..layers.moe import SparseMoeBlock
 from ..layers.packed_linear import pack_linear_weights, packed_weight_bytes
 from ..mem_cache.memory_pool import KVCache, ReqToTokenPool
 from ..models.model_config import ModelConfig
@@ -92,13 +93,16 @@ class ModelRunner:
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         """CUDA graphs for decode: on CUDA with FlashInfer, unless --disable-cuda-graph or
-        --enable-torch-compile, or for mixture-of-experts models (their layers read per-expert counts on
-        the host, which a graph cannot capture). Captures every bucket now (logged)."""
+        --enable-torch-compile, or for mixture-of-experts models without grouped matmuls (their layers
+        then read per-expert counts on the host, which a graph cannot capture). Captures every bucket
+        now (logged)."""
         args = self.server_args
         if self.device.type != "cuda" or args.disable_cuda_graph or args.enable_torch_compile:
             return None
-        if self.model_config.moe is not None:
-            logger.info("CUDA graphs off: mixture-of-experts layers read per-expert counts on the host")
+        moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        if not all(m.uses_grouped_mm(self.device, self.dtype) for m in moe_blocks):
+            logger.info("CUDA graphs off: without grouped matmuls (bf16 on sm90+) mixture-of-experts layers "
+                        "read per-expert counts on the host")
             return None
         from ..layers.attention.flashinfer_backend import FlashInferAttnBackend
 
