@@ -11,16 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_cpu_moe import make_block
+
 from radixlm.runtime.layers.moe import SparseMoeBlock, route
 from radixlm.runtime.layers.moe_grouped import grouped_experts, grouped_mm_supported, stack_expert_weights
-
-
-def make_block(dtype, hidden=64, experts=8, top_k=2, inter=48, shared=0, renormalize=True, seed=0):
-    torch.manual_seed(seed)
-    block = SparseMoeBlock(hidden, experts, top_k, inter, renormalize, shared)
-    for p in block.parameters():
-        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.2).to(dtype)
-    return block
 
 
 def grouped_forward(block: SparseMoeBlock, x: torch.Tensor, stacked) -> torch.Tensor:
