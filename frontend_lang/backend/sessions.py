@@ -82,11 +82,13 @@ class SessionCursor:
         child.rid, child.prompt_end, child.requests = self.rid, self.prompt_end, self.requests
         return child
 
-    def prepare(self, body: dict[str, Any], text: str, force_open: bool = False) -> tuple[dict[str, Any], str | None]:
+    def prepare(self, body: dict[str, Any], text: str, force_open: bool = False
+                ) -> tuple[dict[str, Any], str | None]:
         """(`body`, a /generate body for `text`, put in the session; its rid), or (`body`, None)
         when it goes outside any session (sessions off, or the program's first request)."""
         self.requests += 1
-        if self.session.disabled or (self.requests < 2 and not force_open and self.session.session_id is None):
+        unopened = self.session.session_id is None
+        if self.session.disabled or (unopened and self.requests < 2 and not force_open):
             return body, None
         session_id = self.session.ensure_open()
         if session_id is None:

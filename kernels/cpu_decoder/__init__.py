@@ -11,8 +11,9 @@ weight (at::linear), 1 kernels/cpu_gemm's layout, 2 oneDNN's packed layout
 (mkldnn::_linear_pointwise), 100 + a ggml type kernels/cpu_quant's repacked GGUF layout (on CPUs
 with AVX512-VNNI; `mod.with_quant` says whether it was compiled in). A sparse layer's `moe` is the
 router weight, top-k settings, kernels/cpu_moe's expert pointer tables and Qwen2-MoE's shared expert
-(decoder.cpp's MoeArgs); it needs the gemm kernel (`mod.with_gemm`). decoder.cpp has the layer sequence; it compiles the kernels of cpu_ops, cpu_attention and cpu_gemm into one library from their headers,
-with the flags those extensions use, so it computes what they compute. The model side (which
+(decoder.cpp's MoeArgs); it needs the gemm kernel (`mod.with_gemm`). decoder.cpp has the layer
+sequence; it compiles the kernels of cpu_ops, cpu_attention, cpu_gemm and cpu_moe into one library
+from their headers, with the flags those extensions use, so it computes what they compute. The model side (which
 models and settings it takes) is runtime/model_executor/cpu_decoder.py.
 
 `RADIXLM_DISABLE_CPU_DECODER=1` disables it; `RADIXLM_DISABLE_CPU_KERNELS=1` disables every kernel.

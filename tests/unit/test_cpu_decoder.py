@@ -134,8 +134,8 @@ def test_moe_decoder_equals_python_forward(name: str, llama_path: str, tmp_path,
     experts (the torch loop) keep the Python forward. qwen2_moe-shared64: a shared expert whose
     gate_up halves are whole 64-row blocks (the fused gate_up + SiLU*mul pass)."""
     from radixlm.kernels.cpu_gemm import gemm_enabled
-    from tests.unit.test_moe_models import hf_config
     from tests.unit.test_models_vs_hf import save_random_hf_model
+    from tests.unit.test_moe_models import hf_config
 
     config = hf_config(name.split("-")[0])
     if name.endswith("shared64"):

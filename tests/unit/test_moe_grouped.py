@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_cpu_moe import make_block
 
 from radixlm.runtime.layers.moe import SparseMoeBlock, route

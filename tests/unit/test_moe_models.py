@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_models_vs_hf import (
     PagedRunner,
-    assert_greedy_from_shared_prefix_matches_hf,
     assert_engine_radix_cache_matches_hf,
+    assert_greedy_from_shared_prefix_matches_hf,
     assert_prefill_extend_decode_match_hf,
     load_ours,
     random_prompts,

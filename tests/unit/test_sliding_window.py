@@ -30,7 +30,14 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def swa_model(request, tmp_path_factory, llama_path: str):
-    from transformers import MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2000, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
