@@ -53,6 +53,7 @@ from test_moe_models import hf_config as moe_hf_config
 
 from radixlm.kernels import cpu_attention, cpu_ops
 from radixlm.kernels.cpu_moe import load_cpu_moe
+from radixlm.runtime.layers import moe as moe_layers
 from radixlm.runtime.layers.moe import SparseMoeBlock, route
 from radixlm.runtime.layers.packed_linear import pack_linear_weights
 
@@ -137,8 +138,15 @@ def run_ours(model, config, seqs: list[list[int]], use_kernels: bool):
     """Our logits (and router logits per MoE layer) at every position of each sequence, fed as a
     batched prefill, a batched extend over the cached prefixes, then batched decodes."""
     runner = PagedRunner(model, config, page_size=16, num_pages=64, use_kernels=use_kernels)
-    gates = [m.mlp.gate for m in model.model.layers if isinstance(m.mlp, SparseMoeBlock)]
-    seen, hooks = record_routers(gates)
+    num_moe = sum(isinstance(m.mlp, SparseMoeBlock) for m in model.model.layers)
+    routed, real_route = [], moe_layers.route     # the fused path's router is a packed gemm, not `gate`:
+                                                  # record what reaches route(), one call per MoE layer
+
+    def recording_route(router_logits, top_k, renormalize):
+        routed.append(router_logits.detach().float().reshape(-1, router_logits.shape[-1]))
+        return real_route(router_logits, top_k, renormalize)
+
+    moe_layers.route = recording_route
     calls = [[(0, FIRST[r]) for r in range(2)], [(FIRST[r], PROMPT_LENS[r]) for r in range(2)]]
     calls += [[(PROMPT_LENS[r] + s, PROMPT_LENS[r] + s + 1) for r in range(2)] for s in range(N_NEW)]
     rows = []                                  # (request, position) of every output row, in order
@@ -148,11 +156,10 @@ def run_ours(model, config, seqs: list[list[int]], use_kernels: bool):
             outs.append(runner.extend([0, 1], [a for a, _ in call], [seqs[r][a:b] for r, (a, b) in enumerate(call)]))
             rows += [(r, p) for r, (a, b) in enumerate(call) for p in range(a, b)]
     finally:
-        for h in hooks:
-            h.remove()
+        moe_layers.route = real_route
     order = [[rows.index((r, p)) for p in range(len(seqs[r]))] for r in range(2)]
     logits = torch.cat(outs)
-    layer_logits = [torch.cat([x for x, _ in s]) for s in seen]
+    layer_logits = [torch.cat(routed[i::num_moe]) for i in range(num_moe)]
     return ([logits[o] for o in order], [[lay[o] for lay in layer_logits] for o in order])
 
 
