@@ -109,7 +109,6 @@ def phase_cuda_graphs(results_dir: Path) -> tuple[bool, str]:
 def tiny_moe_d64(results_dir: Path) -> str:
     """A tiny random Qwen3-MoE (head_dim 64, 8 experts top-2, sizes multiples of 16 for the grouped
     matmul), built once beside the other tiny models with their tokenizer."""
-    import torch
     from make_tiny_models import build_model
     from transformers import Qwen3MoeConfig
 
@@ -124,8 +123,7 @@ def tiny_moe_d64(results_dir: Path) -> str:
                                 norm_topk_prob=True, max_position_embeddings=2048, initializer_range=0.1,
                                 tie_word_embeddings=False)
         folder.mkdir(parents=True, exist_ok=True)
-        with torch.device("cpu"):
-            build_model("qwen3moe-d64", config, 11, folder, results_dir / "models" / "tokenizer")
+        build_model("qwen3moe-d64", config, 11, folder, results_dir / "models" / "tokenizer")
     return str(folder)
 
 

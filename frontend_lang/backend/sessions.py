@@ -87,10 +87,9 @@ class SessionCursor:
         """(`body`, a /generate body for `text`, put in the session; its rid), or (`body`, None)
         when it goes outside any session (sessions off, or the program's first request)."""
         self.requests += 1
-        unopened = self.session.session_id is None
-        if self.session.disabled or (unopened and self.requests < 2 and not force_open):
+        if self.session.session_id is None and self.requests < 2 and not force_open:
             return body, None
-        session_id = self.session.ensure_open()
+        session_id = self.session.ensure_open()       # None: sessions are off for this program
         if session_id is None:
             return body, None
         rid = uuid.uuid4().hex

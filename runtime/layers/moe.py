@@ -35,7 +35,7 @@ from ...kernels.cpu_moe import load_cpu_moe
 from ..distributed.parallel_state import get_tp_size, tp_all_reduce
 from .activation import SiluAndMul
 from .linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
-from .moe_grouped import grouped_experts, grouped_path_ok, stack_expert_weights
+from .moe_grouped import grouped_experts, grouped_mm_supported, stack_expert_weights
 from .packed_linear import GemmWeight, linear_silu_mul
 
 
@@ -152,16 +152,13 @@ class SparseMoeBlock(nn.Module):
                                         fused.inter)
         return self._add_shared_and_reduce(x, out)
 
-    def uses_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return grouped_path_ok(self.experts, device, dtype)
-
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """The experts as two grouped matmuls (moe_grouped.py: no host sync, so CUDA graphs can
         capture it) where torch has them for this GPU and dtype, else the torch loop."""
         if self._stacked is None:
-            self._stacked = stack_expert_weights(self.experts) if self.uses_grouped_mm(x.device, x.dtype) else ()
+            self._stacked = stack_expert_weights(self.experts) if grouped_mm_supported(x.device, x.dtype) else ()
         if not self._stacked:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("MoE layers without grouped matmuls (bf16 on sm90+) read per-expert "
                                    "token counts on the host and cannot be captured in a CUDA graph")
             return self.forward_native(x)

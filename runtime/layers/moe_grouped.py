@@ -31,13 +31,6 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def grouped_path_ok(experts: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> bool:
-    """Supported here, and every expert holds plain `dtype` weights (not quantized ones)."""
-    return grouped_mm_supported(device, dtype) and all(
-        type(e.gate_up_proj.weight) in (torch.Tensor, nn.Parameter) and e.gate_up_proj.weight.dtype == dtype
-        and e.down_proj.weight.dtype == dtype for e in experts)
-
-
 def stack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
     """([E, 2I, H] gate_up, [E, H, I] down); afterwards each expert's weights are views of them."""
     gate_up = torch.stack([e.gate_up_proj.weight.data for e in experts])

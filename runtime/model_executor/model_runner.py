@@ -20,7 +20,7 @@ import torch
 
 from ...kernels.cpu_amx import prepare_onednn_isa
 from ..layers.attention.base import create_backend
-from ..layers.moe import SparseMoeBlock
+from ..layers.moe_grouped import grouped_mm_supported
 from ..layers.packed_linear import pack_linear_weights, packed_weight_bytes
 from ..mem_cache.memory_pool import KVCache, ReqToTokenPool
 from ..models.model_config import ModelConfig
@@ -99,8 +99,7 @@ class ModelRunner:
         args = self.server_args
         if self.device.type != "cuda" or args.disable_cuda_graph or args.enable_torch_compile:
             return None
-        moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
-        if not all(m.uses_grouped_mm(self.device, self.dtype) for m in moe_blocks):
+        if self.model_config.moe is not None and not grouped_mm_supported(self.device, self.dtype):
             logger.info("CUDA graphs off: without grouped matmuls (bf16 on sm90+) mixture-of-experts layers "
                         "read per-expert counts on the host")
             return None
