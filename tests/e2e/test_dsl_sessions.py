@@ -1,7 +1,8 @@
 """DSL programs in server sessions (frontend_lang/backend/sessions.py) against the real server (tiny
 llama, fp32): what each request sends, that the outputs equal the same program without sessions,
 that the session is closed at the end, forks branch from one session request, streaming, and that a
-session the server no longer knows turns sessions off for the program instead of failing it.
+session the server no longer knows turns sessions off for the program instead of failing it. After
+each test the KV pool is fully free again (no session left holding its locks).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 import radixlm.api as sgl
-from tests.server_fixtures import ServerProcess, server_fixture
+from tests.server_fixtures import ServerProcess, server_fixture, wait_kv_free
 
 server = server_fixture("--device", "cpu", "--dtype", "float32", "--context-length", "2048",
                         "--max-total-tokens", "32768")
@@ -48,6 +49,7 @@ def endpoint(server: ServerProcess):
     ep = RecordingEndpoint(server.base_url)
     yield ep
     ep.close()
+    wait_kv_free(server)     # every program closed its session: no KV left locked
 
 
 @pytest.fixture(scope="module")
