@@ -154,11 +154,14 @@ class Client:
         text = messages[-1]["content"] if raw else self.maker.render_chat(messages)
         if self.kind == "native":
             params = {"max_new_tokens": output_len, "temperature": a.temperature, "ignore_eos": a.ignore_eos}
+            if a.ignore_eos:
+                params["skip_special_tokens"] = False
             return "/generate", {"text": text, "sampling_params": params, "stream": True}
         body: dict[str, Any] = {"model": self.model, "max_tokens": output_len, "temperature": a.temperature,
                                 "stream": True, "stream_options": {"include_usage": True}}
-        if a.ignore_eos:
+        if a.ignore_eos:          # past eos a model may emit only special tokens: shown, they time the first token
             body["ignore_eos"] = True
+            body["skip_special_tokens"] = False
         if self.kind == "chat":
             return "/v1/chat/completions", {**body, "messages": messages}
         return "/v1/completions", {**body, "prompt": text}
@@ -268,7 +271,8 @@ def summarize_run(results: list[RequestResult], duration: float, concurrency: in
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    timed = [r for r in ok if r.ttft > 0.0]      # a request whose stream carried no text has no first token time
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in timed if r.output_tokens > 1]
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "max_concurrency": concurrency, "request_rate": request_rate, "completed": len(ok),
@@ -276,13 +280,14 @@ def summarize_run(results: list[RequestResult], duration: float, concurrency: in
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "input_throughput": in_tokens / duration, "output_throughput": out_tokens / duration,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "ttft_ms": common.summarize([r.ttft for r in ok], 1e3),
+        "ttft_ms": common.summarize([r.ttft for r in timed], 1e3),
+        "untimed_requests": len(ok) - len(timed),
         "tpot_ms": common.summarize(tpot, 1e3),
         "itl_ms": common.summarize([x for r in ok for x in r.itl], 1e3),
         "e2e_latency_ms": common.summarize([r.latency for r in ok], 1e3),
         "cache_hit_rate": hit_rate,
         "client_cached_token_fraction": sum(cached) / in_tokens if cached and in_tokens else None,
-        "ttft_s_all": [round(r.ttft, 5) for r in ok],
+        "ttft_s_all": [round(r.ttft, 5) for r in timed],
     }
 
 

@@ -16,11 +16,19 @@ EPYC, and the one thread it cost then stayed for the next ~6 s of serving, since
 detokenizer processes streaming tokens kept the others' share between the two thresholds.
 A window longer than STALE_S (the scheduler was idle, e.g. while another server ran a benchmark)
 decides nothing: the next one starts fresh.
+
+"Other processes" are those outside this server: the CPU time of the scheduler's parent (the HTTP
+and tokenizer process) and of its children (the detokenizer, other ranks) counts as the scheduler's
+own (`ServerFamily`). Counted as others, the HTTP and detokenizer processes streaming tokens (with a
+benchmark client: 9-10% of both cores at concurrency 16 on a Zen 5 EPYC) sat at the restore
+threshold, so a thread dropped for a real neighbour (another server computing for 2 s) came back
+only seconds after the neighbour had stopped: every first benchmark run after such a burst paid it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -40,11 +48,11 @@ class ThreadAdapter:
     """`clock` gates the look at the load (a /proc/stat read), so a step between looks costs one
     clock read; `sampler` gives (wall s, own CPU s, busy_seconds()) as neighbour_load.sample does."""
 
-    def __init__(self, threads: int, sampler=neighbour_load.sample, clock=time.perf_counter):
+    def __init__(self, threads: int, sampler=None, clock=time.perf_counter):
         self.max_threads = threads
         self.threads = threads
-        self._sample, self._clock = sampler, clock
-        self._last = sampler()
+        self._sample, self._clock = sampler or ServerFamily().sample, clock
+        self._last = self._sample()
         self._busy = 0             # consecutive intervals with the others' share >= DROP_SHARE
 
     def tick(self) -> None:
@@ -70,3 +78,53 @@ class ThreadAdapter:
                     self.threads, threads)
         self.threads = threads
         torch.set_num_threads(threads)
+
+
+class ServerFamily:
+    """CPU seconds of this process plus its parent and the parent's other children (this server's
+    HTTP, detokenizer and other scheduler processes), for ThreadAdapter's `sampler`. Each look lists
+    the children again; a process counts from its first look, and one that exits takes its seconds
+    with it from the next look on (only its last interval is lost), so the sum never steps back."""
+
+    def __init__(self, parent: int | None = None, proc: str = "/proc"):
+        self.parent = os.getppid() if parent is None else parent
+        self.proc = proc
+        self._seen: dict[int, float] = {}
+        self._total = 0.0
+
+    def sample(self) -> neighbour_load.Sample:
+        wall, own, busy = neighbour_load.sample()
+        return wall, own + self.seconds(), busy
+
+    def seconds(self) -> float:
+        """Summed CPU seconds of the family (this process excluded) gained since the first look."""
+        now: dict[int, float] = {}
+        for pid in self._members():
+            cpu = self._cpu(pid)
+            if cpu is not None:
+                now[pid] = cpu
+                self._total += cpu - self._seen.get(pid, cpu)
+        self._seen = now
+        return self._total
+
+    def _members(self) -> set[int]:
+        if self.parent <= 1:                 # orphaned or run directly: no server around this process
+            return set()
+        pids = {self.parent}
+        try:
+            for task in os.listdir(f"{self.proc}/{self.parent}/task"):
+                with open(f"{self.proc}/{self.parent}/task/{task}/children") as f:
+                    pids.update(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            pass
+        pids.discard(os.getpid())
+        return pids
+
+    def _cpu(self, pid: int) -> float | None:
+        """utime + stime of `pid` in seconds (/proc/PID/stat), None if it is gone."""
+        try:
+            with open(f"{self.proc}/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / neighbour_load.TICKS_PER_S
+        except (OSError, ValueError, IndexError):
+            return None

@@ -89,3 +89,100 @@ def test_one_busy_interval_between_quiet_ones_keeps_the_threads(monkeypatch) -> 
     for _ in samples[1:]:
         adapter.tick()
     assert adapter.threads == 2 and calls == []
+
+
+def write_proc(root, parent: int, children: list[int], cpu_ticks: dict[int, int]) -> None:
+    """A fake /proc: the parent's task lists `children`, each pid's stat has utime = its ticks."""
+    task = root / str(parent) / "task" / str(parent)
+    task.mkdir(parents=True, exist_ok=True)
+    (task / "children").write_text(" ".join(map(str, children)) + " ")
+    for pid in [parent, *children]:
+        stat = root / str(pid) / "stat"
+        if pid in cpu_ticks:
+            stat.parent.mkdir(parents=True, exist_ok=True)
+            stat.write_text(f"{pid} (py thon) S 1 1 1 0 -1 0 0 0 0 0 {cpu_ticks[pid]} 0 0 0 20 0 1 0\n")
+        elif stat.exists():
+            stat.unlink()
+
+
+def test_server_family_counts_parent_and_siblings_and_never_steps_back(tmp_path) -> None:
+    tick = ta.neighbour_load.TICKS_PER_S
+    family = ta.ServerFamily(parent=10, proc=str(tmp_path))
+    write_proc(tmp_path, 10, [20, 30], {10: 100, 20: 50, 30: 7})
+    assert family.seconds() == 0.0                       # the first look sets the baselines
+    write_proc(tmp_path, 10, [20, 30, 40], {10: 130, 20: 60, 30: 7, 40: 500})
+    assert abs(family.seconds() - 40 / tick) < 1e-9      # 40 joined now: only its later ticks count
+    write_proc(tmp_path, 10, [30, 40], {10: 130, 30: 9, 40: 510})   # 20 exited
+    assert abs(family.seconds() - 52 / tick) < 1e-9
+    assert ta.ServerFamily(parent=1, proc=str(tmp_path)).seconds() == 0.0   # no server around
+
+
+def test_server_family_reads_a_real_busy_child() -> None:
+    """The adapter's sampler counts this server's processes as its own: a busy child of the parent
+    (here: of this test process) adds its CPU time to `own`, so it is not taken for a neighbour."""
+    import os
+    import subprocess
+    import sys
+
+    family = ta.ServerFamily(parent=os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
+                              "while time.process_time()-t<0.4: pass\ninput()"], stdin=subprocess.PIPE)
+    try:
+        family.seconds()
+        import time
+        time.sleep(1.0)
+        gained = family.seconds()
+    finally:
+        child.communicate(b"\n", timeout=10)
+    assert 0.2 < gained < 1.2, gained
+
+
+def test_own_server_processes_do_not_hold_a_thread_back(monkeypatch, tmp_path) -> None:
+    """After a real neighbour left, the HTTP and detokenizer processes streaming tokens (here 20% of
+    the cores) must not keep the dropped thread away: ServerFamily counts them as the scheduler's own.
+    The same load with the plain sampler (everything but this process is a neighbour) keeps 1 thread."""
+    tick = ta.neighbour_load.TICKS_PER_S
+    machine = [  # (wall s, this process's CPU s, machine busy s); the family's ticks below
+        (0.0, 0.0, 0.0),
+        (0.6, 0.6, 1.2),        # a neighbour: others 0.6 of 1.2 = 50%
+        (1.2, 1.2, 2.4),        # again: 2 -> 1
+        (1.8, 1.8, 3.24),       # neighbour gone: 1 thread (0.6 s) + the family's 0.24 s (20%)
+        (2.4, 3.0, 4.68),       # 2 threads (1.2 s) + the family's 0.24 s
+    ]
+    family_ticks = [0, 0, 0, round(0.24 * tick), round(0.48 * tick)]
+
+    def run(with_family: bool) -> list[int]:
+        calls: list[int] = []
+        monkeypatch.setattr(torch, "set_num_threads", calls.append)
+        step = iter(range(len(machine)))
+        state = {"i": 0}
+
+        def plain():
+            wall, own, busy = machine[state["i"]]
+            return wall, own, (busy, 2)
+
+        def clock():
+            state["i"] = next(step)
+            write_proc(tmp_path, 10, [20], {10: 0, 20: family_ticks[state["i"]]})
+            return machine[state["i"]][0]
+
+        clock()
+        if with_family:
+            monkeypatch.setattr(ta.neighbour_load, "sample", plain)
+            sampler = ta.ServerFamily(parent=10, proc=str(tmp_path)).sample
+        else:
+            sampler = plain
+        adapter = ta.ThreadAdapter(2, sampler, clock)
+        for _ in machine[1:]:
+            adapter.tick()
+        return calls
+
+    assert run(with_family=True) == [1, 2]
+    assert run(with_family=False) == [1]
+
+
+def test_default_sampler_is_the_server_family() -> None:
+    adapter = ta.ThreadAdapter(2)
+    wall, own, busy = adapter._last
+    assert wall > 0 and own >= 0 and (busy is None or busy[1] >= 1)
+    assert adapter._sample.__self__.__class__ is ta.ServerFamily
