@@ -19,6 +19,7 @@ from common_load import (  # noqa: F401
     read_cpu_times,
     rss_breakdown,
     rss_bytes,
+    wait_for_quiet,
 )
 from common_models import (  # noqa: F401
     MODEL_SHAPES,

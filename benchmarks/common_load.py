@@ -66,6 +66,22 @@ def read_cpu_times() -> tuple[int, int]:
     return total - idle, total
 
 
+def wait_for_quiet(max_s: float = 15.0, busy_below: float = 0.10, window_s: float = 0.25) -> float:
+    """Waits until the whole machine was less than `busy_below` busy over one `window_s` window (at
+    most `max_s`); returns the seconds waited. A server can keep computing after its last response
+    (vLLM's CPU engine spun one core for 1-1.3 s after each run on a 2-core EPYC), so a run started
+    right after the other server's would begin under its load: side by side, each run waits."""
+    start = time.monotonic()
+    prev = read_cpu_times()
+    while time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        now = read_cpu_times()
+        if now[1] > prev[1] and (now[0] - prev[0]) / (now[1] - prev[1]) < busy_below:
+            break
+        prev = now
+    return time.monotonic() - start
+
+
 def _cpu_jiffies(pid: int) -> int | None:
     """utime + stime of a process in clock ticks, or None when it is gone."""
     try:

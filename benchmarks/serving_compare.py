@@ -1,8 +1,10 @@
 """Side by side: bench_serving.py against two servers in one invocation (`--compare-base-url`).
 
 Both servers get the same client, the same prompts (made once, with the first server's tokenizer)
-and the same load, back to back: for each concurrency and each repeat, the first server runs, then
-the second. First, both complete the same few prompts greedily and the JSON records whether
+and the same load, back to back: for each concurrency and each repeat both run, the first server
+first on even repeats and the second first on odd ones. Before each run the benchmark waits (up to
+15 s) until the machine is quiet (`quiet_wait_s` in the JSON): a server may keep a core busy after
+its last response (vLLM's CPU engine for 1-1.3 s), and the run that followed it paid for that. First, both complete the same few prompts greedily and the JSON records whether
 they agree (`greedy_agreement`). Each run records how busy the machine was while it ran, since both servers (and
 anything else) share the cores. The table has one row per (concurrency, repeat) with both systems'
 output tok/s, TPOT p50 and TTFT p50 and the ratios, each written so that > 1 means the first server
@@ -23,6 +25,7 @@ same seed) hit the peer's cache: an earlier llama.cpp comparison did, and its TT
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import os
 import shlex
@@ -51,6 +54,9 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-model", help="model name for the second server's OpenAI requests (default: its first)")
     g.add_argument("--compare-launch", help="shell command that starts the second server (stopped at the end)")
     g.add_argument("--repeats", type=int, default=1, help="runs of each concurrency per server (default: %(default)s)")
+    g.add_argument("--quiet-wait", type=float, default=15.0, metavar="S",
+                   help="before each run, wait up to S seconds for the machine to be under 10%% busy "
+                        "(the other server's tail; default: %(default)s)")
 
 
 class PeerProcess:
@@ -149,7 +155,7 @@ async def bench_compare(bs: Any, args: argparse.Namespace, base_url: str) -> dic
         runs = []
         for concurrency in args.max_concurrency or [None]:
             for repeat in range(args.repeats):
-                for t in targets:
+                for t in (targets if repeat % 2 == 0 else targets[::-1]):
                     runs.append(await _one_run(bs, t, tokenizer, concurrency, repeat))
     return {"base_url": base_url, "compare_base_url": p_args.base_url, "names": [args.name, args.compare_name],
             "models": [model_a, model_b], "tokenizer": getattr(tokenizer, "name_or_path", None),
@@ -193,13 +199,14 @@ async def _one_run(bs: Any, t: Target, tokenizer: Any, concurrency: int | None, 
         print(f"WARNING: could not reset {t.name}'s prefix cache: its later runs see the same prompts warm "
               f"(vLLM: start it with VLLM_SERVER_DEV_MODE=1)", file=sys.stderr)
     dataset = bs.make_dataset(t.args, bs.PromptMaker(tokenizer, t.args.seed), concurrency)
+    quiet_wait = await asyncio.to_thread(common.wait_for_quiet, t.args.quiet_wait)   # the other server's tail
     before = await bs.cache_counters(t.http)
     with common.LoadMonitor() as load:
         results, duration, skipped = await bs.run_once(t.args, t.client, dataset, concurrency)
     after = await bs.settled_counters(t.http) if before is not None else None
     run = bs.summarize_run(results, duration, concurrency, t.args.request_rate, bs.hit_rate(before, after))
     return {**run, "system": t.name, "repeat": repeat, "cache_reset": flushed, "turns_skipped_context": skipped,
-            "machine_busy_fraction": load.summary()["busy_fraction"]}
+            "machine_busy_fraction": load.summary()["busy_fraction"], "quiet_wait_s": round(quiet_wait, 2)}
 
 
 def compare_rows(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:

@@ -32,20 +32,23 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
                   packed.numel() == packed_numel(2 * I, K),
               "gemm linear_silu_mul: the packed gate_up weight does not match x's ", K, " features and 2 x ", I,
               " outputs (I a multiple of ", kBlock, ")");
-  return run_row_chunks(x, packed, I, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t m0,
-                                                  int64_t m1, int64_t b0, int64_t b1) {
+  const int64_t M = x.size(0), ldx = x.stride(0);
+  at::Tensor out = at::empty({M, I}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  run_row_chunks(M, blocks, [&](int64_t b, int64_t m, int64_t m_end, int64_t m1) {
     bf16 gate[kMaxTileRows * kBlock], up[kMaxTileRows * kBlock];
-    for (int64_t b = b0; b < b1; ++b) {
-      const bf16* wg = wp + b * K2 * kBlock * 2;
-      const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
-      for (int64_t m = m0, mr; m < m1; m += mr) {
-        mr = next_tile_rows(m1 - m);
-        gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up);
-        for (int64_t r = 0; r < mr; ++r)
-          radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
-      }
+    const bf16* wg = wp + b * K2 * kBlock * 2;
+    const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
+    for (int64_t mr; m < m_end; m += mr) {
+      mr = next_tile_rows(m1 - m);
+      gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up);
+      for (int64_t r = 0; r < mr; ++r)
+        radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
     }
   });
+  return out;
 }
 
 }  // namespace radixlm_gemm

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 
 import torch
@@ -71,9 +72,10 @@ def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapt
         for msg in msgs:
             scheduler.handle(msg)
         if scheduler.has_work():
+            start = time.perf_counter()
             scheduler.step()
             if adapter is not None:
-                adapter.tick()
+                adapter.tick(time.perf_counter() - start)
             if not scheduler.has_work():    # just went idle: final stats now, and a leak check
                 scheduler.send(scheduler.stats())
                 scheduler.check_idle_invariants()

@@ -1,7 +1,7 @@
 """ThreadAdapter: fewer torch threads while other processes keep a core busy.
 
     adapter = ThreadAdapter(torch.get_num_threads())
-    adapter.tick()          # after each scheduler step; looks at the load every INTERVAL_S
+    adapter.tick(step_s)    # after each scheduler step (it took step_s); looks at the load every INTERVAL_S
 
 OpenMP threads wait for each other at the end of every parallel region, spinning first. When another
 process holds one of the cores, the thread it displaced finishes each region late and the others spin
@@ -14,8 +14,13 @@ The log says when. One busy interval is not enough: the server's own HTTP proces
 client of a benchmark loading its tokenizer) took 53-54% for one interval at every start on a Zen 5
 EPYC, and the one thread it cost then stayed for the next ~6 s of serving, since the HTTP and
 detokenizer processes streaming tokens kept the others' share between the two thresholds.
-A window longer than STALE_S (the scheduler was idle, e.g. while another server ran a benchmark)
-decides nothing: the next one starts fresh.
+Only an interval the scheduler spent stepping (MIN_STEPPING of its wall time or more) can cost a
+thread: a neighbour that computes while this server waits for requests slows nothing down. A
+side-by-side benchmark alternates short greedy requests between two servers before its timed runs;
+each of this server's looks then spanned the other server's request (57% of the cores), the thread
+went after two of them, and the first timed run prefilled its first wave on one thread (3 s on a
+Zen 5 EPYC) before a quiet interval brought it back. A mostly idle interval may still restore the
+threads (the others were quiet) and restarts the count of busy ones.
 
 "Other processes" are those outside this server: the CPU time of the scheduler's parent (the HTTP
 and tokenizer process) and of its children (the detokenizer, other ranks) counts as the scheduler's
@@ -38,7 +43,7 @@ from ..layers import neighbour_load
 logger = logging.getLogger(__name__)
 
 INTERVAL_S = 0.5
-STALE_S = 2.0              # a longer gap since the last look (idle scheduler) only restarts the window
+MIN_STEPPING = 0.8         # share of an interval spent in steps for its load to count against a thread
 DROP_SHARE = 0.25          # others' share of all cores (a half-busy core out of 2) that costs a thread
 RESTORE_SHARE = 0.10
 DROP_WINDOWS = 2           # consecutive busy intervals before a thread is dropped
@@ -53,20 +58,23 @@ class ThreadAdapter:
         self.threads = threads
         self._sample, self._clock = sampler or ServerFamily().sample, clock
         self._last = self._sample()
-        self._busy = 0             # consecutive intervals with the others' share >= DROP_SHARE
+        self._stepped = 0.0        # seconds spent in steps since the last look
+        self._busy = 0             # consecutive stepping intervals with the others' share >= DROP_SHARE
 
-    def tick(self) -> None:
-        """Checks the load once INTERVAL_S has passed since the last check and adapts the thread count."""
+    def tick(self, step_s: float) -> None:
+        """After a step that took `step_s`: checks the load once INTERVAL_S has passed since the last
+        check and adapts the thread count."""
+        self._stepped += step_s
         if self.max_threads < 2 or self._clock() - self._last[0] < INTERVAL_S:
             return
         now = self._sample()
         share = neighbour_load.others_share(self._last, now)
-        stale = now[0] - self._last[0] > STALE_S     # the scheduler sat idle: that load is not this step's
-        self._last = now
-        if share is None or stale:
+        stepping = self._stepped >= MIN_STEPPING * (now[0] - self._last[0])
+        self._last, self._stepped = now, 0.0
+        if share is None:
             self._busy = 0
             return
-        self._busy = self._busy + 1 if share >= DROP_SHARE else 0
+        self._busy = self._busy + 1 if share >= DROP_SHARE and stepping else 0
         if self._busy >= DROP_WINDOWS and self.threads > 1:
             self._set(self.threads - 1, share)
         elif share <= RESTORE_SHARE and self.threads < self.max_threads:

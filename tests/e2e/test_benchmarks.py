@@ -138,10 +138,12 @@ def test_bench_serving_side_by_side(server: Any, tmp_path: Path) -> None:
     bench.main(["--base-url", server.base_url, "--backend", "radixlm", "--num-prompts", "2", "3", "--input-len", "8",
                 "16", "--output-len", "2", "4", "--max-concurrency", "1", "3", "--repeats", "2",
                 "--compare-base-url", server.base_url, "--compare-backend", "openai", "--compare-name", "peer",
-                "--quiet", "--output-dir", str(tmp_path)])
+                "--quiet-wait", "2", "--quiet", "--output-dir", str(tmp_path)])
     doc = read_result(tmp_path, "bench_serving_random_vs_peer")
+    # which server goes first alternates with the repeat
     assert [(r["system"], r["max_concurrency"], r["repeat"]) for r in doc["runs"]] == [
-        (s, c, k) for c in (1, 3) for k in (0, 1) for s in ("radixlm", "peer")]
+        (s, c, k) for c in (1, 3) for k in (0, 1) for s in (("radixlm", "peer") if k == 0 else ("peer", "radixlm"))]
+    assert all(0.0 <= r["quiet_wait_s"] <= 2.5 for r in doc["runs"]), doc["runs"]
     assert [r["completed"] for r in doc["runs"]] == [2] * 4 + [3] * 4, doc["runs"]   # one count per concurrency
     assert all(r["failed"] == 0 for r in doc["runs"]), doc["runs"]
     # radixlm's OpenAI side has neither vLLM's /reset_prefix_cache nor llama.cpp's /slots

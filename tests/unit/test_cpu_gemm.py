@@ -43,6 +43,30 @@ def test_matches_reference_within_one_rounding(n, k, m, with_bias):
     assert ((out.float() - want.float()).abs() <= bf16_ulp(want.float()) + slack.float()).all()
 
 
+@pytest.mark.parametrize("m", [7, 64, 300, 517])
+def test_any_thread_count_gives_the_same_bits(m):
+    """Threads split each row chunk's (block, row tile) pairs, cutting blocks between threads where
+    the block count does not divide (9 blocks here): every output element is still computed once, in
+    the same order, whatever the split."""
+    torch.manual_seed(m)
+    w = torch.randn(576, 96).to(torch.bfloat16)
+    gu = (torch.randn(2 * 576, 96) * 0.2).to(torch.bfloat16)
+    x = torch.randn(m, 96).to(torch.bfloat16)
+    pw, pgu = packed(w), packed(gu)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append((gemm.linear(x, pw, 576, None), gemm.linear_silu_mul(x, pgu, 576)))
+    finally:
+        torch.set_num_threads(before)
+    for lin, fused in outs[1:]:
+        assert torch.equal(lin, outs[0][0]) and torch.equal(fused, outs[0][1])
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(outs[0][0].float(), ref, atol=0.05, rtol=0.02)
+
+
 def test_strided_rows_and_tail_rows_are_not_written():
     torch.manual_seed(0)
     w = torch.randn(70, 32).to(torch.bfloat16)
@@ -96,10 +120,11 @@ def test_linear_silu_mul_is_linear_then_silu_and_mul(i, k, m):
 def test_llama_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch):
     """LlamaMLP runs gemm_silu.h when its gate_up weight is in the gemm layout (same output as the
     unfused path), and the projection + SiluAndMul for any other layout."""
+    from types import SimpleNamespace
+
     from radixlm.runtime.layers import packed_linear
     from radixlm.runtime.layers.packed_linear import GemmWeight
     from radixlm.runtime.models.llama import LlamaMLP
-    from types import SimpleNamespace
 
     cfg = SimpleNamespace(hidden_act="silu", intermediate_size=128, hidden_size=64)
     torch.manual_seed(0)

@@ -46,8 +46,8 @@ def test_drops_a_thread_under_a_busy_neighbour_and_restores_when_it_stops(monkey
     script = Script(samples)
     adapter = adapter_over(2, samples, script)
     threads = []
-    for _ in samples[1:]:
-        adapter.tick()
+    for prev, cur in zip(samples, samples[1:]):
+        adapter.tick(cur[0] - prev[0])          # stepping all the time
         threads.append(adapter.threads)
     assert threads == [2, 2, 1, 2, 2] and calls == [1, 2]
     assert script.looks == 5          # the first sample and 4 looks: the tick under INTERVAL_S read no load
@@ -56,9 +56,9 @@ def test_drops_a_thread_under_a_busy_neighbour_and_restores_when_it_stops(monkey
 def test_one_thread_never_adapts_and_unreadable_load_changes_nothing(monkeypatch) -> None:
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (_ for _ in ()).throw(AssertionError(n)))
     single = adapter_over(1, [(0.0, 0.0, (0.0, 2)), (1.0, 0.0, (2.0, 2))])
-    single.tick()
+    single.tick(1.0)
     blind = adapter_over(2, [(0.0, 0.0, None), (1.0, 0.0, None)])
-    blind.tick()
+    blind.tick(1.0)
     assert single.threads == 1 and blind.threads == 2
 
 
@@ -68,9 +68,24 @@ def test_a_window_across_an_idle_gap_decides_nothing(monkeypatch) -> None:
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (_ for _ in ()).throw(AssertionError(n)))
     samples = [(0.0, 0.0, (0.0, 2)), (30.0, 0.1, (50.0, 2)), (30.6, 0.7, (50.65, 2))]
     adapter = adapter_over(2, samples)
-    adapter.tick()                  # 30 s since the last look, others took 83%: stale, ignored
-    adapter.tick()                  # a fresh 0.6 s window: others 0.05 s of 1.2 = 4%, nothing to do
+    adapter.tick(0.1)               # 30 s since the last look, others took 83%, but this server idled
+    adapter.tick(0.6)               # a stepping 0.6 s window: others 0.05 s of 1.2 = 4%, nothing to do
     assert adapter.threads == 2
+
+
+def test_a_neighbour_busy_only_while_this_server_waits_costs_no_thread(monkeypatch) -> None:
+    """Two servers taking turns (a side-by-side benchmark's greedy check): in every interval this one
+    stepped 0.25 s and waited while the other computed, which took 57% of the cores. That is no
+    contention, and the first timed run must start with every thread; the same load while stepping
+    throughout drops one."""
+    samples = [(0.6 * i, 0.5 * i, (0.5 * i + 0.684 * i, 2)) for i in range(6)]   # others 0.684 of 1.2 s
+    for step_s, want in ((0.25, []), (0.6, [1])):
+        calls: list[int] = []
+        monkeypatch.setattr(torch, "set_num_threads", calls.append)
+        adapter = adapter_over(2, samples)
+        for _ in samples[1:]:
+            adapter.tick(step_s)
+        assert calls == want, (step_s, calls)
 
 
 def test_one_busy_interval_between_quiet_ones_keeps_the_threads(monkeypatch) -> None:
@@ -87,7 +102,7 @@ def test_one_busy_interval_between_quiet_ones_keeps_the_threads(monkeypatch) -> 
     ]
     adapter = adapter_over(2, samples)
     for _ in samples[1:]:
-        adapter.tick()
+        adapter.tick(0.6)
     assert adapter.threads == 2 and calls == []
 
 
@@ -174,7 +189,7 @@ def test_own_server_processes_do_not_hold_a_thread_back(monkeypatch, tmp_path) -
             sampler = plain
         adapter = ta.ThreadAdapter(2, sampler, clock)
         for _ in machine[1:]:
-            adapter.tick()
+            adapter.tick(0.6)
         return calls
 
     assert run(with_family=True) == [1, 2]
