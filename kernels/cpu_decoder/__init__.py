@@ -5,6 +5,7 @@
     dec.add_layer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache)
     dec.add_moe_layer(input_norm, post_norm, q_norm, k_norm, qkv, o, moe, k_cache, v_cache)   # sparse MLP
     hidden = dec.forward(embeddings, positions, out_cache_loc, req_to_token, rows, seq_lens)
+    hidden = dec.extend(embeddings, positions, out_cache_loc, req_to_token, [mod.ExtendRun(...), ...])  # prefill
 
 Each linear is a tuple (weight, bias or None, out_features, kind): kind 0 is a dense [out, in]
 weight (at::linear), 1 kernels/cpu_gemm's layout, 2 oneDNN's packed layout
@@ -31,6 +32,7 @@ from ..cpu_quant import QUANT_FLAGS, cpu_supports_quant
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",
+            _KERNELS / "cpu_attention" / "extend_brgemm.h", _KERNELS / "cpu_attention" / "dpbf16_gemm.h",
             _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h",
             _KERNELS / "cpu_gemm" / "gemm_silu.h", _KERNELS / "cpu_moe" / "moe.h", _KERNELS / "cpu_quant" / "quant.h",
             _KERNELS / "cpu_quant" / "kquant.h", _KERNELS / "cpu_quant" / "xquant.h"]

@@ -38,6 +38,7 @@
 
 #include "fused_ops.h"
 #include "paged_attention.h"
+#include "extend_brgemm.h"
 #ifdef RADIXLM_WITH_QUANT
 #include "quant.h"
 #include "kquant.h"   // k-quants (Q4_K, Q5_K, Q6_K): same kind numbering, 100 + ggml type
@@ -213,6 +214,13 @@ void write_kv(at::Tensor& cache, const at::Tensor& x, const int64_t* loc, int64_
   }
 }
 
+// One run of an extend pass (Decoder::extend): requests whose tokens are rows [q0, q1) of the pass.
+struct ExtendRun {
+  int64_t kernel, q0, q1;
+  at::Tensor rows, seq_lens, prefix_lens;
+  c10::optional<at::Tensor> qo_indptr;
+};
+
 class Decoder {
  public:
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling, at::Tensor cos_cache,
@@ -247,11 +255,58 @@ class Decoder {
   at::Tensor forward(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens) {
     const int64_t bs = hidden.size(0);
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == bs &&
+                    seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == bs,
+                "cpu_decoder: rows and seq_lens must be contiguous int64 [bs]");
+    return run_layers(hidden, positions, out_cache_loc, [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
+      radixlm_attn::decode(attn, q, L.k_cache, L.v_cache, req_to_token, rows, seq_lens, scaling_, 0);
+    });
+  }
+
+  // A prefill / extend / mixed pass: hidden [n, hidden] for all n new tokens, positions and
+  // out_cache_loc int64 [n], and the pass cut into runs as the attention backend cuts it
+  // (runtime/layers/attention/torch_native.py, _Run): each run is (kernel: 0 decode, 1 the
+  // AVX512/AVX2 extend, 2 the brgemm extend; q0, q1: its token rows; rows, seq_lens, prefix_lens;
+  // qo_indptr from 0, or None for decode), the runs covering [0, n) in order. Per layer each run's
+  // attention is the call the backend makes for it; everything else is forward()'s sequence.
+  at::Tensor extend(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                    const at::Tensor& req_to_token, const std::vector<ExtendRun>& runs) {
+    int64_t next = 0;
+    for (const ExtendRun& r : runs) {
+      TORCH_CHECK(r.q0 == next && r.q1 >= r.q0 && r.kernel >= 0 && r.kernel <= 2,
+                  "cpu_decoder: extend runs must cover the tokens in order, with kernel 0, 1 or 2");
+      TORCH_CHECK(r.kernel == 0 || r.qo_indptr.has_value(), "cpu_decoder: an extend run needs its qo_indptr");
+      next = r.q1;
+    }
+    TORCH_CHECK(next == hidden.size(0), "cpu_decoder: the extend runs cover ", next, " of ", hidden.size(0), " tokens");
+    return run_layers(hidden, positions, out_cache_loc, [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
+      for (const ExtendRun& r : runs) {
+        at::Tensor o = attn.narrow(0, r.q0, r.q1 - r.q0);
+        const at::Tensor qr = q.narrow(0, r.q0, r.q1 - r.q0);
+        if (r.kernel == 0)
+          radixlm_attn::decode(o, qr, L.k_cache, L.v_cache, req_to_token, r.rows, r.seq_lens, scaling_, 0);
+        else if (r.kernel == 1)
+          radixlm_attn::extend(o, qr, L.k_cache, L.v_cache, req_to_token, r.rows, r.prefix_lens, r.seq_lens,
+                               *r.qo_indptr, scaling_);
+        else
+          radixlm_attn::extend_brgemm(o, qr, L.k_cache, L.v_cache, req_to_token, r.rows, r.prefix_lens, r.seq_lens,
+                                      *r.qo_indptr, scaling_);
+      }
+    });
+  }
+
+ private:
+  // The layer loop of forward() and extend(); attend(attn, q, layer) fills attn [n, H, D] from
+  // q [n, H, D] over the layer's K/V caches (this token's K/V already written).
+  template <typename Attend>
+  at::Tensor run_layers(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                        Attend&& attend) {
+    const int64_t bs = hidden.size(0);
     TORCH_CHECK(!layers_.empty(), "cpu_decoder: no layers added");
-    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu_decoder: hidden must be contiguous [bs, hidden]");
-    for (const at::Tensor* t : {&positions, &out_cache_loc, &rows, &seq_lens})
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu_decoder: hidden must be contiguous [n, hidden]");
+    for (const at::Tensor* t : {&positions, &out_cache_loc})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == bs,
-                  "cpu_decoder: positions, out_cache_loc, rows and seq_lens must be contiguous int64 [bs]");
+                  "cpu_decoder: positions and out_cache_loc must be contiguous int64 [n]");
     const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
     const int64_t q_size = H_ * D_, kv_size = KVH_ * D_;
     at::Tensor h = hidden, residual;
@@ -275,8 +330,7 @@ class Decoder {
       write_kv(L.k_cache, k, loc, bs);
       write_kv(L.v_cache, v, loc, bs);
       at::Tensor attn = at::empty({bs, H_, D_}, h.options());
-      radixlm_attn::decode(attn, q.view({bs, H_, D_}), L.k_cache, L.v_cache, req_to_token, rows, seq_lens,
-                           scaling_, 0);
+      attend(attn, q.view({bs, H_, D_}), L);
       h = L.o(attn.view({bs, q_size}));
       radixlm_ops::fused_add_rms_norm(h, residual, L.post_norm, eps_);
       h = L.moe ? (*L.moe)(h) : L.down(silu_mlp_half(L.gate_up, h));
@@ -285,7 +339,6 @@ class Decoder {
     return h;
   }
 
- private:
   // A new layer with its norms, attention and K/V caches (its MLP left to the caller).
   Layer& add_attention(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
                        c10::optional<at::Tensor> k_norm, const LinearArgs& qkv, const LinearArgs& o,
@@ -324,6 +377,12 @@ class Decoder {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  py::class_<radixlm_decoder::ExtendRun>(m, "ExtendRun")
+      .def(py::init([](int64_t kernel, int64_t q0, int64_t q1, at::Tensor rows, at::Tensor seq_lens,
+                       at::Tensor prefix_lens, c10::optional<at::Tensor> qo_indptr) {
+             return radixlm_decoder::ExtendRun{kernel, q0, q1, rows, seq_lens, prefix_lens, qo_indptr};
+           }),
+           "ExtendRun(kernel, q0, q1, rows, seq_lens, prefix_lens, qo_indptr|None): int64 tensors on CPU");
   py::class_<radixlm_decoder::Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>(),
            "Decoder(num_heads, num_kv_heads, head_dim, eps, scaling, cos_cache, sin_cache, final_norm)")
@@ -338,6 +397,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "shared gate weight|None)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
+      .def("extend", &radixlm_decoder::Decoder::extend, py::call_guard<py::gil_scoped_release>(),
+           "extend(hidden [n, hidden], positions, out_cache_loc, req_to_token, runs) -> final-normed hidden [n]; "
+           "runs: [ExtendRun(kernel 0 decode | 1 extend | 2 extend_brgemm, q0, q1, rows, seq_lens, prefix_lens, "
+           "qo_indptr|None)] covering the tokens in order")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);
 #ifdef RADIXLM_WITH_QUANT
   m.attr("with_quant") = true;

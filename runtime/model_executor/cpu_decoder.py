@@ -8,8 +8,14 @@ module call and torch's Python bindings. At batch 1 on a small model those calls
 the matmuls (SmolLM2-135M: about 5 ms of a 15 ms step). The C++ decoder runs the same kernels in
 the same order with the same arguments, so its output equals the Python forward's to the bit
 (tests/unit/test_cpu_decoder.py); it only drops the per-op Python work. This is radixlm's CPU
-counterpart of SGLang's decode CUDA graphs. `--disable-cpu-decoder` turns it off (prefill always
-runs the Python forward).
+counterpart of SGLang's decode CUDA graphs.
+
+Prefill, extend and mixed passes take the same layer loop (`extend`), with each layer's attention
+called per run of like requests exactly as the attention backend calls it (decode, the AVX512/AVX2
+extend or the brgemm extend kernel, torch_native.py). At 2,048 prefill tokens the Python calls are
+noise, but a single 320-token prompt (TTFT at concurrency 1) paid for them. Not with GGUF weights
+kept quantized: their prefill kernel is chosen per row count (quant_select.py), so those passes keep
+the Python forward. `--disable-cpu-decoder` turns both off.
 
 It applies to Llama-family models (Llama, Qwen2, Qwen3, and the MoE ones: Qwen2-MoE, Qwen3-MoE,
 Mixtral) on CPU with one tensor-parallel rank, in fp32 or bf16, when the fused ops and the
@@ -31,6 +37,7 @@ from torch import nn
 
 from ...kernels import cpu_ops
 from ...kernels.cpu_decoder import load_cpu_decoder
+from ..layers.attention import extend_select
 from ..layers.moe import SparseMoeBlock
 from ..layers.packed_linear import GemmWeight
 from ..layers.quant_linear import QuantWeight
@@ -42,9 +49,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuDecoder:
-    def __init__(self, impl: object, embed: nn.Module):
+    def __init__(self, impl: object, embed: nn.Module, attn_kernels: object = None, first_attn: nn.Module = None,
+                 dtype: torch.dtype = torch.float32):
         self.impl = impl            # the extension's Decoder (holds the weights and K/V buffers)
         self.embed = embed
+        # what extend_select.kernel_for needs to pick each extend run's kernel as the Python forward does
+        self.attn_kernels, self.first_attn, self.dtype = attn_kernels, first_attn, dtype
+        self.takes_extend = True    # False for GGUF weights (see create)
 
     @classmethod
     def create(cls, model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> CpuDecoder | None:
@@ -73,9 +84,16 @@ class CpuDecoder:
             else:
                 impl.add_layer(*common, _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
                                kv_cache.k_buffer[i], kv_cache.v_buffer[i])
-        logger.info("One-call CPU decoder on: decode steps run the %d decoder layers in one C++ call",
+        decoder = cls(impl, inner.embed_tokens, attn_backend.kernels, first.attn, inner.norm.weight.dtype)
+        # GGUF weights: at prefill quant_select.py picks a kernel per row count (vnni, gemm or dequant
+        # through oneDNN), where decoder.cpp always runs vnni; those passes keep the Python forward
+        decoder.takes_extend = not any(isinstance(linear.packed_weight, QuantWeight) for layer in inner.layers
+                                       for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      *_mlp_linears(layer.mlp)))
+        logger.info("One-call CPU decoder on: %s run the %d decoder layers in one C++ call",
+                    "decode and prefill steps" if decoder.takes_extend else "decode steps (prefill: GGUF weights, Python)",
                     impl.num_layers)
-        return cls(impl, inner.embed_tokens)
+        return decoder
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [bs, hidden] for a DECODE batch; writes every layer's K/V at fb.out_cache_loc."""
@@ -83,7 +101,22 @@ class CpuDecoder:
         return self.impl.forward(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
                                  fb.req_to_token_pool.req_to_token, run.req_pool_indices, run.seq_lens)
 
+    def extend(self, fb: ForwardBatch) -> torch.Tensor:
+        """hidden [num_tokens, hidden] for a prefill, extend or mixed pass; writes every layer's K/V at
+        fb.out_cache_loc. Each run of the backend's kernel metadata gets the kernel the Python forward
+        would give it (decided here, before the first layer, as the backend decides at its first)."""
+        runs = []
+        for run in fb.attn_metadata.runs:
+            if run.kernel is None:
+                run.kernel = extend_select.kernel_for(self.attn_kernels, self.first_attn, run.kind, self.dtype,
+                                                      self.dtype)
+            runs.append(load_cpu_decoder().ExtendRun(EXTEND_KERNELS[run.kernel], run.q0, run.q1, run.req_pool_indices,
+                                                     run.seq_lens, run.prefix_lens, run.qo_indptr))
+        return self.impl.extend(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
+                                fb.req_to_token_pool.req_to_token, runs)
 
+
+EXTEND_KERNELS = {"decode": 0, "simd": 1, "brgemm": 2}   # decoder.cpp's ExtendRun.kernel
 DENSE, GEMM, ONEDNN = 0, 1, 2       # the weight layouts decoder.cpp takes (packed_linear.py makes them)
 QUANT_PARTS = 3                     # a QuantWeight of several parts: [(packed, ggml type, rows)]
 QUANT_BASE = 100                    # + a ggml type: kernels/cpu_quant's layout (quant_linear.py)

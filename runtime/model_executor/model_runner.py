@@ -221,7 +221,10 @@ class ModelRunner:
             hidden = self.decode_forward(fb)                           # [bs, hidden]
         else:
             self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)        # [num_tokens, hidden]
+            if isinstance(self.decode_forward, CpuDecoder) and self.decode_forward.takes_extend:
+                hidden = self.decode_forward.extend(fb)                # [num_tokens, hidden]
+            else:
+                hidden = self.model(fb.input_ids, fb.positions, fb)    # [num_tokens, hidden]
         extra = extra_logit_rows or []
         if fb.forward_mode.is_decode and not extra:                    # one row per request already
             return LogitsOutput(self.model.compute_logits(hidden).float(), None)

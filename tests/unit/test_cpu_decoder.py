@@ -15,6 +15,7 @@ import torch
 
 from radixlm.kernels.cpu_decoder import load_cpu_decoder
 from radixlm.runtime.layers import packed_linear
+from radixlm.runtime.layers.quant_linear import QuantWeight
 from radixlm.runtime.mem_cache.kv_manager import KVManager
 from radixlm.runtime.model_executor.compiled_decode import CompiledDecode
 from radixlm.runtime.model_executor.cpu_decoder import CpuDecoder
@@ -101,7 +102,8 @@ def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeyp
 
 def assert_decoder_matches_python_forward(runner, steps: int = 3) -> None:
     """`steps` greedy decode steps of three prefilled requests: the one-call decoder gives the Python
-    forward's hidden states bit for bit and writes the same K/V (zeroed before each decoder call)."""
+    forward's hidden states bit for bit and writes the same K/V (zeroed before each decoder call);
+    then a mixed pass through `extend` (assert_extend_matches_python_forward)."""
     decoder = runner.decode_forward
     assert isinstance(decoder, CpuDecoder)
     python_forward = CompiledDecode(runner.model, False)
@@ -126,6 +128,63 @@ def assert_decoder_matches_python_forward(runner, steps: int = 3) -> None:
                 assert torch.equal(k[loc], want_kv[layer][0]), f"K of layer {layer}"
                 assert torch.equal(v[loc], want_kv[layer][1]), f"V of layer {layer}"
             ids = runner.model.compute_logits(got).argmax(-1).tolist()
+    assert_extend_matches_python_forward(runner, kv, reqs, ids)
+
+
+def assert_extend_matches_python_forward(runner, kv, reqs, ids) -> None:
+    """One mixed pass over the prefilled `reqs` (the last use of `kv`): a decode, a short extend
+    and a long one over their cached prefixes, and a new 40-token prompt, so the attention backend cuts
+    it into decode, short and long runs. `extend` gives the Python forward's hidden states bit for bit
+    and writes the same K/V, with the extend kernel chosen as in serving and forced to each kernel."""
+    import os
+
+    from radixlm.runtime.layers.attention import extend_select
+
+    decoder = runner.decode_forward
+    if not decoder.takes_extend:          # GGUF weights: prefill runs the Python forward
+        assert any(isinstance(layer.mlp.down_proj.packed_weight, QuantWeight) for layer in runner.model.model.layers)
+        return
+    gen = torch.Generator().manual_seed(11)
+    vocab = runner.model_config.vocab_size
+    fresh = _Req(torch.randint(3, vocab, (40,), generator=gen).tolist())
+    assert kv.admit(fresh, kv.match_prefix([]))
+    batch = [*reqs, fresh]
+    new = [[ids[0]], [ids[1], *torch.randint(3, vocab, (2,), generator=gen).tolist()],
+           [ids[2], *torch.randint(3, vocab, (extend_select.MIN_ROWS + 4,), generator=gen).tolist()], fresh.all_ids]
+    prefix = [r.kv_committed_len for r in reqs] + [0]
+    loc = kv.alloc_extend(batch, [len(n) for n in new])
+    modes = ["auto", "simd"]
+    if extend_select.brgemm_takes(runner.dtype, runner.kv_cache.dtype, runner.model_config.head_dim):
+        modes.append("brgemm")
+    before = os.environ.get("RADIXLM_CPU_EXTEND_KERNEL")
+    try:
+        with torch.inference_mode():
+            for mode in modes:
+                os.environ["RADIXLM_CPU_EXTEND_KERNEL"] = mode
+                fb = runner.make_forward_batch(ForwardMode.EXTEND, [t for n in new for t in n],
+                                               [r.req_pool_idx for r in batch], prefix,
+                                               [p + len(n) for p, n in zip(prefix, new)], loc, kv.req_to_token_pool)
+                runner.attn_backend.init_forward_metadata(fb)
+                want = runner.model(fb.input_ids, fb.positions, fb)
+                kinds = [run.kernel for run in fb.attn_metadata.runs]
+                cache = list(zip(runner.kv_cache.k_buffer, runner.kv_cache.v_buffer))
+                want_kv = [(k[loc].clone(), v[loc].clone()) for k, v in cache]
+                for k, v in cache:                      # the decoder must write them again
+                    k[loc], v[loc] = 0, 0
+                runner.attn_backend.init_forward_metadata(fb)     # the decoder picks the kernels itself
+                got = decoder.extend(fb)
+                assert [run.kernel for run in fb.attn_metadata.runs] == kinds
+                assert got.shape == want.shape and torch.equal(got, want), (mode, kinds)
+                for layer, (k, v) in enumerate(cache):
+                    assert torch.equal(k[loc], want_kv[layer][0]), f"K of layer {layer} ({mode})"
+                    assert torch.equal(v[loc], want_kv[layer][1]), f"V of layer {layer} ({mode})"
+                if mode == "auto":
+                    assert kinds[:2] == ["decode", "simd"] and len(kinds) == 3, kinds
+    finally:
+        if before is None:
+            os.environ.pop("RADIXLM_CPU_EXTEND_KERNEL", None)
+        else:
+            os.environ["RADIXLM_CPU_EXTEND_KERNEL"] = before
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe-shared64", "qwen3_moe", "mixtral"])
