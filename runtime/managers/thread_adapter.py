@@ -8,12 +8,15 @@ process holds one of the cores, the thread it displaced finishes each region lat
 through their time slices: on a 2-core Xeon a decode step at batch 16 went from 29 ms to 300 ms beside
 one busy process, against 48 ms with one thread. Waiting passively (OMP_WAIT_POLICY=PASSIVE) bounds that
 too but costs 50% on a quiet machine (43 ms), so the spinning stays and the thread count adapts: when
-other processes took at least DROP_SHARE of all cores over the last DROP_WINDOWS intervals in a row,
+other processes took at least DROP_SHARE of all cores over DROP_AFTER_S or more of stepping in a row,
 one thread fewer (at least one); when they took at most RESTORE_SHARE, back up to the configured count.
 The log says when. One busy interval is not enough: the server's own HTTP process starting up (or the
 client of a benchmark loading its tokenizer) took 53-54% for one interval at every start on a Zen 5
 EPYC, and the one thread it cost then stayed for the next ~6 s of serving, since the HTTP and
-detokenizer processes streaming tokens kept the others' share between the two thresholds.
+detokenizer processes streaming tokens kept the others' share between the two thresholds. The time
+counts, not the looks: beside a busy process one 2,048-token prefill step took 6 s (10x its quiet
+time) and the next look came only after it; counted as one interval it needed a second slow step.
+
 Only an interval the scheduler spent stepping (MIN_STEPPING of its wall time or more) can cost a
 thread: a neighbour that computes while this server waits for requests slows nothing down. A
 side-by-side benchmark alternates short greedy requests between two servers before its timed runs;
@@ -46,7 +49,7 @@ INTERVAL_S = 0.5
 MIN_STEPPING = 0.8         # share of an interval spent in steps for its load to count against a thread
 DROP_SHARE = 0.25          # others' share of all cores (a half-busy core out of 2) that costs a thread
 RESTORE_SHARE = 0.10
-DROP_WINDOWS = 2           # consecutive busy intervals before a thread is dropped
+DROP_AFTER_S = 1.0         # seconds of consecutive busy stepping intervals before a thread is dropped
 
 
 class ThreadAdapter:
@@ -59,7 +62,7 @@ class ThreadAdapter:
         self._sample, self._clock = sampler or ServerFamily().sample, clock
         self._last = self._sample()
         self._stepped = 0.0        # seconds spent in steps since the last look
-        self._busy = 0             # consecutive stepping intervals with the others' share >= DROP_SHARE
+        self._busy_s = 0.0         # seconds of consecutive stepping intervals with the others' share >= DROP_SHARE
 
     def tick(self, step_s: float) -> None:
         """After a step that took `step_s`: checks the load once INTERVAL_S has passed since the last
@@ -69,20 +72,21 @@ class ThreadAdapter:
             return
         now = self._sample()
         share = neighbour_load.others_share(self._last, now)
-        stepping = self._stepped >= MIN_STEPPING * (now[0] - self._last[0])
+        wall = now[0] - self._last[0]
+        stepping = self._stepped >= MIN_STEPPING * wall
         self._last, self._stepped = now, 0.0
         if share is None:
-            self._busy = 0
+            self._busy_s = 0.0
             return
-        self._busy = self._busy + 1 if share >= DROP_SHARE and stepping else 0
-        if self._busy >= DROP_WINDOWS and self.threads > 1:
-            self._set(self.threads - 1, share)
+        self._busy_s = self._busy_s + wall if share >= DROP_SHARE and stepping else 0.0
+        if self._busy_s >= DROP_AFTER_S and self.threads > 1:
+            self._set(self.threads - 1, share, wall)
         elif share <= RESTORE_SHARE and self.threads < self.max_threads:
-            self._set(self.max_threads, share)
+            self._set(self.max_threads, share, wall)
 
-    def _set(self, threads: int, share: float) -> None:
+    def _set(self, threads: int, share: float, wall: float) -> None:
         logger.info("Other processes used %.0f%% of the cores over the last %.1f s%s: torch threads %d -> %d",
-                    100 * share, INTERVAL_S, f" ({self._busy} intervals in a row)" if threads < self.threads else "",
+                    100 * share, wall, f" ({self._busy_s:.1f} s busy in a row)" if threads < self.threads else "",
                     self.threads, threads)
         self.threads = threads
         torch.set_num_threads(threads)

@@ -39,7 +39,7 @@ def test_drops_a_thread_under_a_busy_neighbour_and_restores_when_it_stops(monkey
         (0.0, 0.0, (0.0, 2)),
         (0.2, 0.4, (0.4, 2)),       # under INTERVAL_S: not looked at
         (0.6, 1.0, (1.6, 2)),       # others 0.6 s of 1.2 core-s = 50%: one busy interval, kept
-        (1.2, 1.6, (2.8, 2)),       # busy again (DROP_WINDOWS in a row): 2 -> 1
+        (1.2, 1.6, (2.8, 2)),       # busy again (DROP_AFTER_S of stepping in a row): 2 -> 1
         (1.8, 2.2, (3.45, 2)),      # others 0.05 s of 1.2 = 4%: back to 2
         (2.4, 2.8, (4.1, 2)),       # quiet at 2 threads: nothing to do
     ]
@@ -86,6 +86,17 @@ def test_a_neighbour_busy_only_while_this_server_waits_costs_no_thread(monkeypat
         for _ in samples[1:]:
             adapter.tick(step_s)
         assert calls == want, (step_s, calls)
+
+
+def test_one_long_busy_step_is_enough(monkeypatch) -> None:
+    """Beside a busy process a prefill step took 6 s and the next look came after it: that interval
+    alone is DROP_AFTER_S of contention (a 0.6 s one is not, see the next test)."""
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    samples = [(0.0, 0.0, (0.0, 2)), (6.0, 6.2, (11.98, 2))]    # others 5.78 of 12 core-s = 48%
+    adapter = adapter_over(2, samples)
+    adapter.tick(6.0)
+    assert calls == [1]
 
 
 def test_one_busy_interval_between_quiet_ones_keeps_the_threads(monkeypatch) -> None:
