@@ -4,9 +4,10 @@ Both servers get the same client, the same prompts (made once, with the first se
 and the same load, back to back: for each concurrency and each repeat both run, the first server
 first on even repeats and the second first on odd ones. Before each run the benchmark waits (up to
 15 s) until the machine is quiet (`quiet_wait_s` in the JSON): a server may keep a core busy after
-its last response (vLLM's CPU engine for 1-1.3 s), and the run that followed it paid for that. First, both complete the same few prompts greedily and the JSON records whether
-they agree (`greedy_agreement`). Each run records how busy the machine was while it ran, since both servers (and
-anything else) share the cores. The table has one row per (concurrency, repeat) with both systems'
+its last response (vLLM's CPU engine for 1-1.3 s), and the run that followed it paid for that.
+First, both complete the same few prompts greedily and the JSON records whether they agree
+(`greedy_agreement`). Each run records how busy the machine was while it ran, since both servers
+(and anything else) share the cores. The table has one row per (concurrency, repeat) with both systems'
 output tok/s, TPOT p50 and TTFT p50 and the ratios, each written so that > 1 means the first server
 is better: output tok/s first/second, TPOT and TTFT second/first.
 

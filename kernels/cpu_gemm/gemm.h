@@ -14,8 +14,9 @@
 //
 // Each thread takes a contiguous range of (block, row tile) pairs (run_row_chunks); within a block,
 // rows of x go 4 at a time (16 accumulators) over the whole K, so every weight byte is loaded once
-// per 4 rows and stays in L1/L2 between the row tiles; the last 5 or 6 rows go together (block_rows). Rows are handled in chunks
-// of kRowChunk so that the chunk of x stays in cache for large prefills. The sums are fp32 in k
+// per 4 rows and stays in L1/L2 between the row tiles; the last 5 or 6 rows go together
+// (block_rows). Rows are handled in chunks of kRowChunk so that the chunk of x stays in cache for
+// large prefills. The sums are fp32 in k
 // order; the bias is added in fp32 and the result rounded to bf16 once (nearest even), as oneDNN's
 // bf16 matmul does. Its outputs equal F.linear's for most shapes; where oneDNN splits K differently
 // they differ by rounding.
@@ -112,26 +113,35 @@ inline int64_t next_tile_rows(int64_t left) { return left > kMaxTileRows ? 4 : l
 // (1 to 6 rows), tile t starting at row 4 t.
 inline int64_t num_row_tiles(int64_t rows) { return rows > kMaxTileRows ? 1 + (rows - kMaxTileRows + 3) / 4 : 1; }
 
-// The loops of linear() and gemm_silu.h's linear_silu_mul(): M rows of x in chunks of kRowChunk,
-// and per chunk every (block, row tile) pair once. The pairs of a chunk go block-major, split into
-// one contiguous range per thread, so a thread streams whole blocks except at the two ends of its
-// range; body(b, m, m_end, m1) writes block b for the tiles of rows [m, m_end) of the chunk that
-// ends at row m1 (next_tile_rows(m1 - m) rows at a time). Splitting blocks alone left threads uneven
-// whenever the block count is not a multiple of the thread count: SmolLM2's o_proj and down_proj
-// have 9 blocks, 5 for one thread and 4 for the other, 10% of their time spent waiting at 2 threads.
+// The output and loops of linear() and gemm_silu.h's linear_silu_mul(), x and packed checked by them:
+// out = [M, n_out] bf16; rows of x in chunks of kRowChunk, and per chunk every (block, row tile) pair
+// once. The pairs of a chunk go block-major, split into one contiguous range per thread, so a thread
+// streams whole blocks except at the two ends of its range; body(xp, ldx, wp, op, b, m, m_end, m1)
+// writes block b for the tiles of rows [m, m_end) of the chunk that ends at row m1
+// (next_tile_rows(m1 - m) rows at a time; xp: x with row stride ldx, wp: the packed weight, op: out).
+// Splitting blocks alone left threads uneven whenever the block count is not a multiple of the thread
+// count: SmolLM2's o_proj and down_proj have 9 blocks, 5 for one thread and 4 for the other, 10% of
+// their time spent waiting at 2 threads.
 template <typename Body>
-inline void run_row_chunks(int64_t M, int64_t blocks, Body&& body) {
+inline at::Tensor run_row_chunks(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, int64_t blocks,
+                                 Body&& body) {
+  const int64_t M = x.size(0), ldx = x.stride(0);
+  at::Tensor out = at::empty({M, n_out}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
   const int64_t threads = at::get_num_threads();
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m1 = std::min(M, m0 + kRowChunk), tiles = num_row_tiles(m1 - m0), units = blocks * tiles;
     at::parallel_for(0, units, (units + threads - 1) / threads, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1;) {
         const int64_t b = u / tiles, t0 = u % tiles, t1 = std::min(tiles, t0 + (u1 - u));
-        body(b, m0 + 4 * t0, t1 == tiles ? m1 : m0 + 4 * t1, m1);
+        body(xp, ldx, wp, op, b, m0 + 4 * t0, t1 == tiles ? m1 : m0 + 4 * t1, m1);
         u += t1 - t0;
       }
     });
   }
+  return out;
 }
 
 // x [M, K] bf16 (last dim contiguous, any row stride), packed from pack(), bias [N] bf16 or None
@@ -149,19 +159,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
                 "gemm linear: bias must be a contiguous bf16 [N]");
     bp = bias->data_ptr<bf16>();
   }
-  const int64_t M = x.size(0), ldx = x.stride(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = packed.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  run_row_chunks(M, blocks, [&](int64_t b, int64_t m, int64_t m_end, int64_t m1) {
+  return run_row_chunks(x, packed, N, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t b,
+                                                  int64_t m, int64_t m_end, int64_t m1) {
     const bf16* wb = wp + b * K2 * kBlock * 2;
     for (int64_t mr; m < m_end; m += mr) {
       mr = next_tile_rows(m1 - m);
       block_rows(mr, xp + m * ldx, ldx, wb, K2, b * kBlock, N, bp, op + m * N, N);
     }
   });
-  return out;
 }
 
 }  // namespace radixlm_gemm

@@ -32,12 +32,8 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
                   packed.numel() == packed_numel(2 * I, K),
               "gemm linear_silu_mul: the packed gate_up weight does not match x's ", K, " features and 2 x ", I,
               " outputs (I a multiple of ", kBlock, ")");
-  const int64_t M = x.size(0), ldx = x.stride(0);
-  at::Tensor out = at::empty({M, I}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = packed.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  run_row_chunks(M, blocks, [&](int64_t b, int64_t m, int64_t m_end, int64_t m1) {
+  return run_row_chunks(x, packed, I, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t b,
+                                                  int64_t m, int64_t m_end, int64_t m1) {
     bf16 gate[kMaxTileRows * kBlock], up[kMaxTileRows * kBlock];
     const bf16* wg = wp + b * K2 * kBlock * 2;
     const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
@@ -48,7 +44,6 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
         radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
     }
   });
-  return out;
 }
 
 }  // namespace radixlm_gemm

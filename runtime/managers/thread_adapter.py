@@ -10,7 +10,7 @@ one busy process, against 48 ms with one thread. Waiting passively (OMP_WAIT_POL
 too but costs 50% on a quiet machine (43 ms), so the spinning stays and the thread count adapts: when
 other processes took at least DROP_SHARE of all cores over DROP_AFTER_S or more of stepping in a row,
 one thread fewer (at least one); when they took at most RESTORE_SHARE, back up to the configured count.
-The log says when. One busy interval is not enough: the server's own HTTP process starting up (or the
+The log says when. One busy half-second interval is not enough: the server's own HTTP process starting up (or the
 client of a benchmark loading its tokenizer) took 53-54% for one interval at every start on a Zen 5
 EPYC, and the one thread it cost then stayed for the next ~6 s of serving, since the HTTP and
 detokenizer processes streaming tokens kept the others' share between the two thresholds. The time

@@ -49,13 +49,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuDecoder:
-    def __init__(self, impl: object, embed: nn.Module, attn_kernels: object = None, first_attn: nn.Module = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, mod: object, impl: object, embed: nn.Module, attn_kernels: object, first_attn: nn.Module,
+                 dtype: torch.dtype, takes_extend: bool):
+        self.mod = mod              # the extension module (its ExtendRun)
         self.impl = impl            # the extension's Decoder (holds the weights and K/V buffers)
         self.embed = embed
         # what extend_select.kernel_for needs to pick each extend run's kernel as the Python forward does
         self.attn_kernels, self.first_attn, self.dtype = attn_kernels, first_attn, dtype
-        self.takes_extend = True    # False for GGUF weights (see create)
+        self.takes_extend = takes_extend    # False for GGUF weights (see create)
 
     @classmethod
     def create(cls, model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> CpuDecoder | None:
@@ -70,7 +71,8 @@ class CpuDecoder:
         inner = model.model
         first = inner.layers[0].self_attn
         rotary = first.rotary_emb
-        impl = load_cpu_decoder().Decoder(first.attn.num_heads, first.attn.num_kv_heads, first.head_dim,
+        mod = load_cpu_decoder()
+        impl = mod.Decoder(first.attn.num_heads, first.attn.num_kv_heads, first.head_dim,
                                           inner.norm.eps, first.attn.scaling, rotary.cos_cache, rotary.sin_cache,
                                           inner.norm.weight.detach())
         for i, layer in enumerate(inner.layers):
@@ -84,16 +86,15 @@ class CpuDecoder:
             else:
                 impl.add_layer(*common, _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
                                kv_cache.k_buffer[i], kv_cache.v_buffer[i])
-        decoder = cls(impl, inner.embed_tokens, attn_backend.kernels, first.attn, inner.norm.weight.dtype)
         # GGUF weights: at prefill quant_select.py picks a kernel per row count (vnni, gemm or dequant
         # through oneDNN), where decoder.cpp always runs vnni; those passes keep the Python forward
-        decoder.takes_extend = not any(isinstance(linear.packed_weight, QuantWeight) for layer in inner.layers
-                                       for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                      *_mlp_linears(layer.mlp)))
+        takes_extend = not any(isinstance(linear.packed_weight, QuantWeight) for layer in inner.layers
+                               for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))
         logger.info("One-call CPU decoder on: %s run the %d decoder layers in one C++ call",
-                    "decode and prefill steps" if decoder.takes_extend else "decode steps (prefill: GGUF weights, Python)",
+                    "decode and prefill steps" if takes_extend else "decode steps (prefill: GGUF weights, Python)",
                     impl.num_layers)
-        return decoder
+        return cls(mod, impl, inner.embed_tokens, attn_backend.kernels, first.attn, inner.norm.weight.dtype,
+                   takes_extend)
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [bs, hidden] for a DECODE batch; writes every layer's K/V at fb.out_cache_loc."""
@@ -110,8 +111,8 @@ class CpuDecoder:
             if run.kernel is None:
                 run.kernel = extend_select.kernel_for(self.attn_kernels, self.first_attn, run.kind, self.dtype,
                                                       self.dtype)
-            runs.append(load_cpu_decoder().ExtendRun(EXTEND_KERNELS[run.kernel], run.q0, run.q1, run.req_pool_indices,
-                                                     run.seq_lens, run.prefix_lens, run.qo_indptr))
+            runs.append(self.mod.ExtendRun(EXTEND_KERNELS[run.kernel], run.q0, run.q1, run.req_pool_indices,
+                                           run.seq_lens, run.prefix_lens, run.qo_indptr))
         return self.impl.extend(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
                                 fb.req_to_token_pool.req_to_token, runs)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ class ModelRunner:
             head_dim=self.model_config.head_dim, page_size=self.page_size, device=self.device, dtype=self.dtype,
             sliding_window_sizes=self._window_sizes(), logit_cap=self.model_config.attn_logit_softcapping or 0.0)
         self.decode_forward = self._pick_decode_forward()
+        self.extend_forward = self._pick_extend_forward()
         self.graph_runner = self._make_graph_runner()
 
     def _window_sizes(self) -> tuple[int, ...]:
@@ -90,6 +92,12 @@ class ModelRunner:
             if decoder is not None:
                 return decoder
         return CompiledDecode(self.model, False)
+
+    def _pick_extend_forward(self) -> Callable[[ForwardBatch], torch.Tensor]:
+        """Prefill, extend and mixed passes: the one-call C++ decoder where it takes them, else eager."""
+        if isinstance(self.decode_forward, CpuDecoder) and self.decode_forward.takes_extend:
+            return self.decode_forward.extend
+        return lambda fb: self.model(fb.input_ids, fb.positions, fb)
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         """CUDA graphs for decode: on CUDA with FlashInfer, unless --disable-cuda-graph or
@@ -221,10 +229,7 @@ class ModelRunner:
             hidden = self.decode_forward(fb)                           # [bs, hidden]
         else:
             self.attn_backend.init_forward_metadata(fb)
-            if isinstance(self.decode_forward, CpuDecoder) and self.decode_forward.takes_extend:
-                hidden = self.decode_forward.extend(fb)                # [num_tokens, hidden]
-            else:
-                hidden = self.model(fb.input_ids, fb.positions, fb)    # [num_tokens, hidden]
+            hidden = self.extend_forward(fb)                           # [num_tokens, hidden]
         extra = extra_logit_rows or []
         if fb.forward_mode.is_decode and not extra:                    # one row per request already
             return LogitsOutput(self.model.compute_logits(hidden).float(), None)
