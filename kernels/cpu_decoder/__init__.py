@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ...runtime import env
 from ..cpu_build import load_extension, pick_isa
-from ..cpu_gemm import GEMM_FLAGS, gemm_enabled
+from ..cpu_gemm import gemm_enabled, gemm_flags
 from ..cpu_quant import QUANT_FLAGS, cpu_supports_quant
 
 _KERNELS = Path(__file__).parent.parent
@@ -43,7 +43,7 @@ def load_cpu_decoder():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
     if env.DISABLE_CPU_DECODER.get():
         return None
-    flags = (*GEMM_FLAGS, "-DRADIXLM_WITH_GEMM") if gemm_enabled() else ()
+    flags = (*gemm_flags(), "-DRADIXLM_WITH_GEMM") if gemm_enabled() else ()
     if cpu_supports_quant():
         flags = (*flags, *QUANT_FLAGS, "-DRADIXLM_WITH_QUANT")
     return load_extension("cpu_decoder", "one-call CPU decoder", pick_isa(), [Path(__file__).parent / "decoder.cpp"],

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace radixlm_gemm {
 
@@ -58,6 +59,7 @@ void pack(const at::Tensor& w, at::Tensor& out) {
   });
 }
 
+#if defined(__AVX512BF16__)
 // Rows [0, MR) of x against packed block `wb` (output rows n0 .. n0 + 63).
 template <int MR>
 inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
@@ -90,6 +92,169 @@ inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t
   }
 }
 
+#else
+// AVX2 + FMA (no bf16 dot product): the same packed layout. A 32-bit pair word holds w[n, k + 1] in
+// its high half, which is that weight as an fp32 with the low half masked off, and w[n, k] in its low
+// half, which a 16-bit shift turns into fp32: so one 256-bit load gives 8 output rows' (k, k + 1)
+// weights as two fp32 vectors, each multiplied with a broadcast x[m, k] resp. x[m, k + 1] (fp32 sums,
+// k order, one fused multiply-add per product). x's rows are first widened into an fp32 copy, so a
+// broadcast is a plain load.
+namespace avx2 {
+
+inline __m256 low_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 high_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))); }
+
+// 8 fp32 -> 8 bf16, nearest even, NaN -> 0x7fc0 (c10::BFloat16's rounding)
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+// Rows [0, R) of xf (fp32, row stride ld) against V vectors (8 V output rows) of block wb starting at
+// vector v0 -> acc. Per k pair the V weight vectors are widened once and used by all R rows.
+#define RADIXLM_GEMM_INLINE inline __attribute__((always_inline))
+
+template <int R, int V>
+RADIXLM_GEMM_INLINE void dot(const float* xf, int64_t ld, const bf16* wb, int64_t K2, int v0, __m256 (&acc)[R][V]) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    const bf16* w = wb + p * kBlock * 2 + 16 * v0;
+    __m256 lo[V], hi[V];
+    for (int i = 0; i < V; ++i) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * i));
+      lo[i] = low_half(wv);
+      hi[i] = high_half(wv);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_broadcast_ss(xf + r * ld + 2 * p), x1 = _mm256_broadcast_ss(xf + r * ld + 2 * p + 1);
+      for (int i = 0; i < V; ++i) acc[r][i] = _mm256_fmadd_ps(x1, hi[i], _mm256_fmadd_ps(x0, lo[i], acc[r][i]));
+    }
+  }
+}
+
+// Sums (+ bias) rounded into out: res holds rows [0, rows) of 8 V sums (row stride 8 V) for output
+// rows n0 + 8 v0 .. (those below N). The sums come through memory because indexing a register array
+// in this loop made GCC keep that array on the stack for the whole k loop (halving the speed); and
+// not inlined, so that its constants do not take registers from the sums.
+__attribute__((noinline)) inline void store(const float* res, int rows, int V, int64_t n0, int v0, int64_t N, const bf16* bias, bf16* out,
+                  int64_t ldo) {
+  for (int i = 0; i < V; ++i) {
+    const int64_t n = n0 + 8 * (v0 + i), count = std::min<int64_t>(8, N - n);
+    if (count <= 0) break;
+    __m256 b = _mm256_setzero_ps();
+    if (bias != nullptr) {
+      float bf[8] = {};
+      for (int64_t j = 0; j < count; ++j) bf[j] = static_cast<float>(bias[n + j]);
+      b = _mm256_loadu_ps(bf);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const __m128i h = to_bf16(_mm256_add_ps(_mm256_loadu_ps(res + r * 8 * V + 8 * i), b));
+      if (count == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * ldo + n), h);
+      } else {
+        uint16_t tmp[8];
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), h);
+        std::memcpy(out + r * ldo + n, tmp, count * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+// acc -> res (row stride 8 V), constant indices only
+template <int R, int V>
+RADIXLM_GEMM_INLINE void spill(const __m256 (&acc)[R][V], float* res) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(res + r * 8 * V + 8 * i, acc[r][i]);
+}
+
+// Rows [0, R) against the whole block, V vectors at a time.
+template <int R, int V>
+inline void rows(const float* xf, int64_t ld, const bf16* wb, int64_t K2, int64_t n0, int64_t N, const bf16* bias,
+                 bf16* out, int64_t ldo) {
+  for (int v0 = 0; v0 < kBlock / 8 && n0 + 8 * v0 < N; v0 += V) {
+    __m256 acc[R][V];
+    dot<R, V>(xf, ld, wb, K2, v0, acc);
+    float res[R * 8 * V];
+    spill<R, V>(acc, res);
+    store(res, R, V, n0, v0, N, bias, out, ldo);
+  }
+}
+
+// Larger row ranges widen the whole block once into wf[k][j] = w[n0 + j, k] (fp32, K x 64) and
+// then run a plain fp32 kernel: 6 rows x 16 outputs take 12 sums, 2 weight vectors and a broadcast,
+// one multiply-add per sum and k with no widening in the loop (the same products and order as
+// dot(), so the same bits).
+inline void widen_block(const bf16* wb, int64_t K2, float* wf) {
+  for (int64_t p = 0; p < K2; ++p)
+    for (int i = 0; i < kBlock / 8; ++i) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * kBlock * 2 + 16 * i));
+      _mm256_storeu_ps(wf + (2 * p) * kBlock + 8 * i, low_half(wv));
+      _mm256_storeu_ps(wf + (2 * p + 1) * kBlock + 8 * i, high_half(wv));
+    }
+}
+
+// rows of x (row stride ldx) -> xf, fp32 with row stride K
+inline void widen_rows(const bf16* x, int64_t ldx, int64_t rows, int64_t K, float* xf) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const bf16* xr = x + m * ldx;
+    float* dst = xf + m * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+      _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + k))), 16)));
+    for (; k < K; ++k) dst[k] = static_cast<float>(xr[k]);
+  }
+}
+
+template <int R>
+inline void rows_widened(const float* xf, int64_t K, const float* wf, int64_t n0, int64_t N, const bf16* bias,
+                         bf16* out, int64_t ldo) {
+  for (int v0 = 0; v0 < kBlock / 8 && n0 + 8 * v0 < N; v0 += 2) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* w = wf + 8 * v0;
+    for (int64_t k = 0; k < K; ++k, w += kBlock) {
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(xf + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      }
+    }
+    float res[R * 16];
+    spill<R, 2>(acc, res);
+    store(res, R, 2, n0, v0, N, bias, out, ldo);
+  }
+}
+
+}  // namespace avx2
+
+// Rows [0, MR) of x against packed block `wb` (output rows n0 .. n0 + 63): one row streams the block
+// 64 outputs at a time, more rows go 16 outputs at a time (4 rows: 8 sums, 4 widened weights and two
+// broadcasts in the 16 vector registers), the 5th and 6th rows as a second group.
+template <int MR>
+inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
+                 const bf16* bias, bf16* out, int64_t ldo) {
+  const int64_t K = 2 * K2;
+  thread_local std::vector<float> xf_buf;
+  if (static_cast<int64_t>(xf_buf.size()) < MR * K) xf_buf.resize(MR * K);
+  float* xf = xf_buf.data();
+  avx2::widen_rows(x, ldx, MR, K, xf);
+  if constexpr (MR == 1) {
+    avx2::rows<1, 4>(xf, K, wb, K2, n0, N, bias, out, ldo);
+  } else if constexpr (MR <= 4) {
+    avx2::rows<MR, 2>(xf, K, wb, K2, n0, N, bias, out, ldo);
+  } else {
+    avx2::rows<4, 2>(xf, K, wb, K2, n0, N, bias, out, ldo);
+    avx2::rows<MR - 4, 2>(xf + 4 * K, K, wb, K2, n0, N, bias, out + 4 * ldo, ldo);
+  }
+}
+#endif
+
 // Rows [0, rows) of x (1 <= rows <= kMaxTileRows) against the whole block, in one pass over its 4
 // vectors: 6 rows take 24 accumulators, 4 weight vectors and the broadcast x pair, 29 of the 32
 // vector registers. So a decode batch with a few speculative proposals streams each block once.
@@ -112,6 +277,41 @@ inline int64_t next_tile_rows(int64_t left) { return left > kMaxTileRows ? 4 : l
 // Row tiles of a chunk of `rows` rows as next_tile_rows() cuts them: all of 4 rows but the last
 // (1 to 6 rows), tile t starting at row 4 t.
 inline int64_t num_row_tiles(int64_t rows) { return rows > kMaxTileRows ? 1 + (rows - kMaxTileRows + 3) / 4 : 1; }
+
+// Rows [0, rows) of x against the whole block, the first of them `left` rows before the end of their
+// chunk: tiles as next_tile_rows(left) cuts them. On the AVX2 path a range of kWidenRows rows or more
+// widens the block once and takes rows_widened (the same bits).
+constexpr int64_t kWidenRows = 8;
+inline void block_range(int64_t rows, int64_t left, const bf16* x, int64_t ldx, const bf16* wb, int64_t K2,
+                        int64_t n0, int64_t N, const bf16* bias, bf16* out, int64_t ldo) {
+#if !defined(__AVX512BF16__)
+  if (rows >= kWidenRows) {
+    const int64_t K = 2 * K2;
+    thread_local std::vector<float> wf, xf;
+    if (static_cast<int64_t>(wf.size()) < K * kBlock) wf.resize(K * kBlock);
+    if (static_cast<int64_t>(xf.size()) < 6 * K) xf.resize(6 * K);
+    avx2::widen_block(wb, K2, wf.data());
+    for (int64_t m = 0, r; m < rows; m += r) {
+      r = std::min<int64_t>(6, rows - m);
+      avx2::widen_rows(x + m * ldx, ldx, r, K, xf.data());
+      bf16* o = out + m * ldo;
+      switch (r) {
+        case 1: avx2::rows_widened<1>(xf.data(), K, wf.data(), n0, N, bias, o, ldo); break;
+        case 2: avx2::rows_widened<2>(xf.data(), K, wf.data(), n0, N, bias, o, ldo); break;
+        case 3: avx2::rows_widened<3>(xf.data(), K, wf.data(), n0, N, bias, o, ldo); break;
+        case 4: avx2::rows_widened<4>(xf.data(), K, wf.data(), n0, N, bias, o, ldo); break;
+        case 5: avx2::rows_widened<5>(xf.data(), K, wf.data(), n0, N, bias, o, ldo); break;
+        default: avx2::rows_widened<6>(xf.data(), K, wf.data(), n0, N, bias, o, ldo); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t mr; rows > 0; rows -= mr, left -= mr, x += mr * ldx, out += mr * ldo) {
+    mr = next_tile_rows(left);
+    block_rows(mr, x, ldx, wb, K2, n0, N, bias, out, ldo);
+  }
+}
 
 // The output and loops of linear() and gemm_silu.h's linear_silu_mul(), x and packed checked by them:
 // out = [M, n_out] bf16; rows of x in chunks of kRowChunk, and per chunk every (block, row tile) pair
@@ -161,11 +361,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   }
   return run_row_chunks(x, packed, N, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t b,
                                                   int64_t m, int64_t m_end, int64_t m1) {
-    const bf16* wb = wp + b * K2 * kBlock * 2;
-    for (int64_t mr; m < m_end; m += mr) {
-      mr = next_tile_rows(m1 - m);
-      block_rows(mr, xp + m * ldx, ldx, wb, K2, b * kBlock, N, bp, op + m * N, N);
-    }
+    block_range(m_end - m, m1 - m, xp + m * ldx, ldx, wp + b * K2 * kBlock * 2, K2, b * kBlock, N, bp, op + m * N, N);
   });
 }
 

@@ -15,6 +15,8 @@
 
 namespace radixlm_gemm {
 
+constexpr int64_t kSiluRows = 96;   // rows per gate / up pass on the AVX2 path (2 x 12 KiB of results)
+
 // Rows [0, rows) of x (at most kMaxTileRows) against gate block wg and up block wu into gate / up
 // ([rows][kBlock] bf16 each).
 inline void gate_up_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* wg, const bf16* wu, int64_t K2,
@@ -34,9 +36,22 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
               " outputs (I a multiple of ", kBlock, ")");
   return run_row_chunks(x, packed, I, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t b,
                                                   int64_t m, int64_t m_end, int64_t m1) {
-    bf16 gate[kMaxTileRows * kBlock], up[kMaxTileRows * kBlock];
     const bf16* wg = wp + b * K2 * kBlock * 2;
     const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
+#if !defined(__AVX512BF16__)
+    if (m_end - m >= kWidenRows) {   // AVX2 path: whole ranges, so each half is widened once per kSiluRows rows
+      bf16 gate[kSiluRows * kBlock], up[kSiluRows * kBlock];
+      for (int64_t mr; m < m_end; m += mr) {
+        mr = std::min(kSiluRows, m_end - m);
+        block_range(mr, mr, xp + m * ldx, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
+        block_range(mr, mr, xp + m * ldx, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
+        for (int64_t r = 0; r < mr; ++r)
+          radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
+      }
+      return;
+    }
+#endif
+    bf16 gate[kMaxTileRows * kBlock], up[kMaxTileRows * kBlock];
     for (int64_t mr; m < m_end; m += mr) {
       mr = next_tile_rows(m1 - m);
       gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up);

@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..cpu_build import load_extension
-from ..cpu_gemm import GEMM_FLAGS, gemm_enabled
+from ..cpu_build import load_extension, pick_isa
+from ..cpu_gemm import gemm_enabled, gemm_flags
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [Path(__file__).parent / "moe.h", _KERNELS / "cpu_gemm" / "gemm.h", _KERNELS / "cpu_gemm" / "gemm_silu.h",
@@ -30,5 +30,5 @@ def load_cpu_moe():
     """The extension module, or None. Side effects: may compile it into the kernel cache (logged)."""
     if not gemm_enabled():
         return None
-    return load_extension("cpu_moe", "fused MoE kernel", "avx512", [Path(__file__).parent / "moe.cpp"], _HEADERS,
-                          extra_flags=GEMM_FLAGS)
+    return load_extension("cpu_moe", "fused MoE kernel", pick_isa(), [Path(__file__).parent / "moe.cpp"], _HEADERS,
+                          extra_flags=gemm_flags())

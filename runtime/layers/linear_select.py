@@ -222,7 +222,7 @@ def candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> list[str]:
     out = []
     if pl.load_cpu_gemm() is not None and pl.gemm_fits(weight, bias):
         out.append("gemm")
-    if pl.packing_supported(weight):
+    if pl.onednn_supported(weight):
         out.append("onednn")
     return [*out, "torch"]
 

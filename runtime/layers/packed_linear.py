@@ -61,7 +61,8 @@ class GemmWeight:
         return self.data.element_size()
 
 
-def packing_supported(weight: torch.Tensor) -> bool:
+def onednn_supported(weight: torch.Tensor) -> bool:
+    """oneDNN packs and multiplies this weight's dtype here (bf16: AVX512 CPUs, not AVX2 ones)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
         return False
     if not torch.backends.mkldnn.is_available():
@@ -69,6 +70,16 @@ def packing_supported(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    """This CPU has a packed layout for this weight's dtype: oneDNN's, or for bf16 the gemm kernel's
+    (on AVX2 CPUs the only one: oneDNN has no bf16 matmul there). Whether one fits this particular
+    weight is linear_select.candidates' business (a weight none fits stays on F.linear)."""
+    if onednn_supported(weight):
+        return True
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and load_cpu_gemm() is not None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | GemmWeight | QuantWeight | None,

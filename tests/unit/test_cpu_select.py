@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from radixlm.kernels import cpu_amx, cpu_gemm
 from radixlm.runtime.layers import linear_select as ls
 from radixlm.runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from radixlm.runtime.layers.packed_linear import GemmWeight, pack_linear_weights, packing_supported
+from radixlm.runtime.layers.packed_linear import GemmWeight, onednn_supported, pack_linear_weights, packing_supported
 from radixlm.runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 BF16_OK = packing_supported(torch.empty(2, 2, dtype=torch.bfloat16))
-KERNELS = [k for k in ls.CANDIDATES if k != "gemm" or cpu_gemm.cpu_supports_gemm()]
+ONEDNN_BF16 = onednn_supported(torch.empty(2, 2, dtype=torch.bfloat16))   # not on AVX2 CPUs
+KERNELS = [k for k in ls.CANDIDATES if (k != "gemm" or cpu_gemm.cpu_supports_gemm()) and (k != "onednn" or ONEDNN_BF16)]
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,7 @@ def close_to_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.
     return bool(((got.float() - ref).abs() <= ref.abs() * 2 ** -8 + scale * 2 ** -12 + 1e-6).all())
 
 
-@pytest.mark.skipif(not BF16_OK, reason="oneDNN bf16 matmul not available on this CPU")
+@pytest.mark.skipif(not BF16_OK, reason="no packed bf16 layout on this CPU")
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_forced_kernel_matches_fp32_reference(kernel, rows, monkeypatch):
@@ -76,7 +77,7 @@ def test_forced_kernel_matches_fp32_reference(kernel, rows, monkeypatch):
     pack_linear_weights(block)
     sel = ls.last_selection()
     assert sel.mode == kernel and sel.measured == 0
-    want_odd = "onednn" if kernel == "gemm" else kernel
+    want_odd = ls.forced(kernel, ls.candidates(dense["odd.weight"], None))   # onednn, or torch on AVX2
     assert block.up.linear_kernel == kernel and block.odd.linear_kernel == want_odd
     assert isinstance(block.up.packed_weight, GemmWeight) == (kernel == "gemm")
     assert (block.up.packed_weight is None) == (kernel == "torch")
@@ -132,7 +133,7 @@ def test_cache_file_round_trips_and_merges(tmp_path):
     assert ls.load_cache(path) == {}
 
 
-@pytest.mark.skipif(not BF16_OK, reason="oneDNN bf16 matmul not available on this CPU")
+@pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 matmul on this CPU")
 def test_auto_uses_cached_times_without_timing(monkeypatch):
     """Cached times that make each shape's winner known: auto mode follows them and measures nothing."""
     block = make_block()
@@ -150,7 +151,7 @@ def test_auto_uses_cached_times_without_timing(monkeypatch):
     assert ls.last_selection().measured == 0 and "from the cache" in ls.last_selection().summary()
 
 
-@pytest.mark.skipif(not BF16_OK, reason="oneDNN bf16 matmul not available on this CPU")
+@pytest.mark.skipif(not BF16_OK, reason="no packed bf16 layout on this CPU")
 def test_auto_caches_only_quiet_measurements(monkeypatch):
     block = make_block()
     quiet = {"value": False}
