@@ -101,8 +101,8 @@ DISABLE_CPU_PRELOAD = _var("RADIXLM_DISABLE_CPU_PRELOAD", bool, False, "On CPU, 
 DISABLE_CPU_KERNELS = _var("RADIXLM_DISABLE_CPU_KERNELS", bool, False, "On CPU, use the torch code instead of "
                            "every radixlm C++ kernel (attention, fused ops, gemm, one-call decoder).",
                            "disable_cpu_kernels")
-DISABLE_CPU_GEMM = _var("RADIXLM_DISABLE_CPU_GEMM", bool, False, "On CPU, do not use radixlm's AVX512-BF16 "
-                        "gemm: packed bf16 weights then use oneDNN's layout.", "disable_cpu_gemm")
+DISABLE_CPU_GEMM = _var("RADIXLM_DISABLE_CPU_GEMM", bool, False, "On CPU, do not use radixlm's bf16 "
+                        "gemm: packed bf16 weights then use oneDNN's layout (where oneDNN has bf16).", "disable_cpu_gemm")
 DISABLE_FUSED_OPS = _var("RADIXLM_DISABLE_FUSED_OPS", bool, False, "On CPU, run RMSNorm, SiLU-and-mul and rotary "
                          "in torch instead of radixlm's fused C++ ops.", "disable_fused_ops")
 DISABLE_GGUF_QUANT = _var("RADIXLM_DISABLE_GGUF_QUANT", bool, False, "Load a GGUF file's weights dequantized to the "
@@ -114,10 +114,10 @@ DISABLE_CPU_DECODER = _var("RADIXLM_DISABLE_CPU_DECODER", bool, False, "On CPU, 
                            "graphs).", "disable_cpu_decoder")
 DISABLE_PACKED_WEIGHTS = _var("RADIXLM_DISABLE_PACKED_WEIGHTS", bool, False, "On CPU, keep bf16/fp16 linear "
                               "weights in their plain layout instead of packing them once (radixlm's "
-                              "AVX512-BF16 gemm layout in 2 MiB pages, else oneDNN's; slower matmuls "
+                              "bf16 gemm layout in 2 MiB pages, or oneDNN's, as timed; slower matmuls "
                               "without).", "disable_packed_weights")
 CPU_LINEAR_KERNEL = _var("RADIXLM_CPU_LINEAR_KERNEL", str, "auto", "Kernel of the CPU bf16/fp16 linear "
-                         "layers: auto (time radixlm's AVX512-BF16 gemm, oneDNN's packed matmul (AMX where "
+                         "layers: auto (time radixlm's bf16 gemm (AVX512-BF16, or fp32 FMAs on AVX2), oneDNN's packed matmul (AMX where "
                          "the CPU has it) and plain F.linear per weight shape once, cached per CPU model in "
                          "linear_select.json beside the kernel cache), or force gemm, onednn or torch.",
                          "cpu_linear_kernel", ("auto", "gemm", "onednn", "torch"))

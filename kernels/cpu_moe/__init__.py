@@ -1,4 +1,4 @@
-"""Fused MoE experts for CPUs with AVX512-BF16 (C++ extension), built on first use and cached.
+"""Fused MoE experts for CPUs with AVX512 or AVX2 (C++ extension), built on first use and cached.
 
     mod = load_cpu_moe()        # None when disabled, unsupported here, or the build failed
     y = mod.experts_forward(x, ids, weights, gate_up_ptrs, down_ptrs, intermediate)

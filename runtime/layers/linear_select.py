@@ -3,10 +3,10 @@
     kernels = choose_kernels(modules)      # {id(module): "gemm" | "onednn" | "torch"}
     last_selection()                       # what the last call chose and how (the startup block)
 
-Candidates, where this CPU and the weight allow them: **gemm** (kernels/cpu_gemm, AVX512-BF16,
-bf16 with an even in_features), **onednn** (oneDNN's packed matmul; its AMX kernels where the CPU
-has AMX and the kernel granted the tile state, kernels/cpu_amx.py) and **torch** (F.linear on the
-plain weight). `--cpu-linear-kernel` / RADIXLM_CPU_LINEAR_KERNEL: `auto` measures; `gemm`,
+Candidates, where this CPU and the weight allow them: **gemm** (kernels/cpu_gemm: AVX512-BF16, or
+fp32 FMAs on AVX512/AVX2 CPUs; bf16 with an even in_features), **onednn** (oneDNN's packed matmul,
+where oneDNN has the dtype: not bf16 on AVX2-only CPUs; its AMX kernels where the CPU has AMX and
+the kernel granted the tile state, kernels/cpu_amx.py) and **torch** (F.linear on the plain weight). `--cpu-linear-kernel` / RADIXLM_CPU_LINEAR_KERNEL: `auto` measures; `gemm`,
 `onednn` or `torch` forces one (a weight the forced kernel cannot take gets the next of gemm ->
 onednn -> torch).
 

@@ -14,7 +14,7 @@ The loop reads the per-expert counts on the host. On CUDA the experts run as two
 instead (moe_grouped.py: the counts stay on the device, so decode can be captured in CUDA graphs)
 where torch has them (bf16, sm90+); elsewhere on CUDA the loop runs and graphs are off.
 
-On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16, AVX512-BF16),
+On CPU, when every expert's weights were packed in kernels/cpu_gemm's layout (bf16; AVX512 or AVX2),
 the router runs as a packed gemm too and the experts run in one call of kernels/cpu_moe (grouping,
 gate_up, SiLU*mul, down and the weighted sum in fp32, experts x output blocks spread over the
 threads); softmax/top-k and the shared expert stay here. The one-call CPU decoder

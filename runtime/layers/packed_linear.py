@@ -5,13 +5,15 @@ weight makes oneDNN reorder (or read with a poor stride) the whole weight on eve
 once avoids that, in one of two layouts; which one (or the plain weight and F.linear) each weight
 gets is measured on this CPU per shape (runtime/layers/linear_select.py, `--cpu-linear-kernel`):
 
-- **gemm** (CPUs with AVX512-BF16, bf16 weights): kernels/cpu_gemm's blocked k-pair layout, all
+- **gemm** (bf16 weights; vdpbf16ps on AVX512-BF16 CPUs, fp32 FMAs on widened weights on AVX512/AVX2
+  ones): kernels/cpu_gemm's blocked k-pair layout, all
   weights in one arena of 2 MiB pages. On this project's 2-core VM, SmolLM2-135M's 121 matmuls at
   batch 1 took 5.7-8.6 ms against 15-19 ms for oneDNN's packed matmul (4 KiB pages cost half the
   read bandwidth there), and it stays ahead up to batch 64 (benchmarks/README.md). The sums run in
   k order in fp32, so outputs equal F.linear's for most shapes and differ by bf16 rounding for the
   rest.
-- **onednn** (any CPU oneDNN runs bf16/fp16 on; AMX kernels where granted): oneDNN's own blocked
+- **onednn** (any CPU oneDNN runs bf16/fp16 on, which excludes AVX2-only ones for bf16; AMX kernels
+  where granted): oneDNN's own blocked
   layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`): bit-identical to
   F.linear. On an AMX Xeon it was 1.7x faster than gemm at batch 16 and 3x at prefill.
 - **torch**: the weight stays plain; F.linear.
@@ -160,7 +162,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         if weight_users.get(id(module.weight), 0) <= 1:
             module.weight.data = weight.new_empty((0, weight.shape[1]))
     if modules or kernels:
-        layout = (f"{len(in_gemm)} in the AVX512-BF16 gemm layout ({offset * 2 / 2**20:.0f} MiB, "
+        layout = (f"{len(in_gemm)} in the bf16 gemm layout ({offset * 2 / 2**20:.0f} MiB, "
                   f"transparent huge pages: {transparent_huge_pages()})" if in_gemm else "oneDNN layout")
         if in_gemm and len(in_gemm) < len(modules):
             layout += f", {len(modules) - len(in_gemm)} in oneDNN's"

@@ -20,7 +20,7 @@ the Python forward. `--disable-cpu-decoder` turns both off.
 It applies to Llama-family models (Llama, Qwen2, Qwen3, and the MoE ones: Qwen2-MoE, Qwen3-MoE,
 Mixtral) on CPU with one tensor-parallel rank, in fp32 or bf16, when the fused ops and the
 attention kernels are loaded and torch.compile is off;
-linear weights may be plain, in the AVX512-BF16 gemm layout, in oneDNN's packed layout, or GGUF
+linear weights may be plain, in the bf16 gemm layout, in oneDNN's packed layout, or GGUF
 weights kept quantized in kernels/cpu_quant's layout (a fused layer may mix GGUF types, as Q4_K_M's
 qkv does: its parts run one after the other and their outputs are joined, as quant_linear.py does).
 A sparse (MoE) layer runs SparseMoeBlock's fused path in C++ (router, fp32 softmax, top-k, the
@@ -184,7 +184,7 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
         return "rotary cache not fp32"
     for layer in inner.layers:
         if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.fused_tables() is None:
-            return "MoE experts not in the AVX512-BF16 gemm layout (bf16 weights and kernels/cpu_moe needed)"
+            return "MoE experts not in the bf16 gemm layout (bf16 weights and kernels/cpu_moe needed)"
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)):
             quant = linear.packed_weight
             if isinstance(quant, QuantWeight) and not all(p.packed for p in quant.parts):

@@ -16,7 +16,7 @@ import torch
 from ...kernels import cpu_ops
 from ...kernels.cpu_amx import prepare_onednn_isa
 from ...kernels.cpu_build import pick_isa
-from ...kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
+from ...kernels.cpu_gemm import cpu_supports_gemm, gemm_flags, load_cpu_gemm
 from .. import env
 from ..layers.attention import extend_select
 from ..layers.linear_select import last_selection
@@ -90,9 +90,9 @@ def _extend_kernel(runner: Any) -> str:
 
 def _gemm() -> str:
     if load_cpu_gemm() is not None:
-        return "on (AVX512-BF16 bf16 gemm)"
+        return f"on (bf16 gemm, {'vdpbf16ps' if gemm_flags() else 'fp32 FMAs on widened weights'})"
     if not (env.DISABLE_CPU_GEMM.get() or env.DISABLE_CPU_KERNELS.get()) and not cpu_supports_gemm():
-        return "off (this CPU has no AVX512-BF16); packed bf16 weights use oneDNN's layout"
+        return "off (this CPU has no AVX2); packed bf16 weights use oneDNN's layout"
     return f"off ({_off_reason(env.DISABLE_CPU_GEMM)}); packed bf16 weights use oneDNN's layout"
 
 

@@ -32,15 +32,34 @@ logger = logging.getLogger(__name__)
 
 def keep_quantized(device: str | torch.device, tp_size: int, dequantize: bool | None = None) -> bool:
     """Whether a GGUF file's weights stay quantized: CPU, one TP rank, and not `dequantize`
-    (None: --disable-gguf-quant / RADIXLM_DISABLE_GGUF_QUANT). Logs why when they do not."""
+    (None: --disable-gguf-quant / RADIXLM_DISABLE_GGUF_QUANT, and a CPU the quantized kernels run
+    on). Logs why when they do not.
+
+    Without the kernels (kernels/cpu_quant needs AVX512-VNNI) a quantized matmul dequantizes its
+    whole weight on every call; on an AVX2 EPYC that made SmolLM2's decode step take seconds,
+    while the dequantized bf16 weights in the gemm layout take milliseconds (3.5x the memory of
+    Q4). An explicit `dequantize=False` keeps them quantized anyway."""
     from .. import env
 
+    auto = dequantize is None
     dequantize = env.DISABLE_GGUF_QUANT.get() if dequantize is None else dequantize
+    on_cpu = torch.device(device).type == "cpu"
     reason = ("--disable-gguf-quant" if dequantize else "tensor parallelism" if tp_size != 1
-              else f"device {torch.device(device).type}" if torch.device(device).type != "cpu" else None)
+              else f"device {torch.device(device).type}" if not on_cpu
+              else "this CPU has no AVX512-VNNI for the quantized kernels" if auto and not quant_kernels_run_here()
+              else None)
     if reason is not None:
         logger.info("GGUF weights dequantized to the serving dtype (%s)", reason)
     return reason is None
+
+
+def quant_kernels_run_here() -> bool:
+    """kernels/cpu_quant builds for this CPU, or the CPU kernels are switched off (then nothing is
+    fast, and the quantized weights at least keep the memory small)."""
+    from .. import env
+    from ...kernels.cpu_quant import cpu_supports_quant
+
+    return cpu_supports_quant() or env.DISABLE_CPU_KERNELS.get()
 
 
 def divert_quantized(weights: Iterable[tuple[str, object]], sink: list[tuple[str, GGUFQuantized]]

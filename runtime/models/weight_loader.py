@@ -67,7 +67,8 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_pro
     """Builds the model for `config` in `config.dtype` on `device` and loads its weights.
 
     A GGUF file's quantized weights stay quantized (gguf_quant.py) unless `disable_gguf_quant`
-    (default: --disable-gguf-quant / RADIXLM_DISABLE_GGUF_QUANT) or the device / TP size rule it out.
+    (default: --disable-gguf-quant / RADIXLM_DISABLE_GGUF_QUANT, and a CPU without the quantized
+    kernels: see keep_quantized) or the device / TP size rule it out.
 
     Raises ModelLoadError when the heads do not split over the TP size or a parameter gets no weight.
     The progress bar shows on TP rank 0 only (unless `show_progress` says otherwise).

@@ -2,7 +2,7 @@
 
 Random blocks, bf16 expert weights packed in kernels/cpu_gemm's layout; n=1 (decode), a batch where
 some experts get no tokens, Qwen2-MoE's shared expert, odd sizes (an intermediate that is not a
-multiple of 64 blocks); fp32 blocks keep the torch loop. Skips only where the CPU lacks AVX512-BF16.
+multiple of 64 blocks); fp32 blocks keep the torch loop. Skips only where the CPU lacks AVX2.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from radixlm.kernels.cpu_gemm import gemm_enabled
 from radixlm.runtime.layers.moe import SparseMoeBlock
 from radixlm.runtime.layers.packed_linear import pack_linear_weights
 
-needs_gemm = pytest.mark.skipif(not gemm_enabled(), reason="needs AVX512-BF16 (kernels/cpu_gemm)")
+needs_gemm = pytest.mark.skipif(not gemm_enabled(), reason="needs AVX512 or AVX2 (kernels/cpu_gemm)")
 
 
 def make_block(dtype, hidden=64, experts=8, top_k=2, inter=48, shared=0, renormalize=True, seed=0):

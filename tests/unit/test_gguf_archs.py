@@ -167,7 +167,7 @@ def test_gguf_logits_match_transformers(arch, qtype, kernel, tiny_models, tmp_pa
     path = write_gguf(tiny, arch, tmp_path / "gguf" / f"{arch}.gguf", qtype)
     config = ModelConfig.from_path(str(path), dtype="float32")
     _check_config(config, arch, tiny)
-    model = load_model(config, "cpu", show_progress=False)
+    model = load_model(config, "cpu", show_progress=False, disable_gguf_quant=False)
     if qtype == Q8_0:                                 # kept quantized, experts included
         mlp = model.model.layers[0].mlp
         layer = mlp.experts[1] if config.moe else mlp
@@ -316,7 +316,7 @@ def test_mixtral_from_a_llama_file(qtype, kernel, tmp_path, monkeypatch):
     config = ModelConfig.from_path(str(path), dtype="float32")
     assert config.architecture == "MixtralForCausalLM" and config.moe is not None
     assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 96)
-    model = load_model(config, "cpu", show_progress=False)
+    model = load_model(config, "cpu", show_progress=False, disable_gguf_quant=False)
     assert isinstance(model.model.layers[0].mlp.experts[3].down_proj.packed_weight, QuantWeight) == (qtype == Q8_0)
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(10)).tolist()
     ours = _prefill_logits(model, config, ids, page_size=16)
@@ -401,7 +401,7 @@ def test_phi3_longrope_and_partial_rotary_file(qtype, tmp_path, monkeypatch):
         assert config.rotary_dim == 12 and config.rope_scaling["rope_type"] == "longrope"
         assert config.rope_scaling["original_max_position_embeddings"] == 64
         ids = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(context)).tolist()
-        ours = _prefill_logits(load_model(config, "cpu", show_progress=False), config, ids, page_size=16)
+        ours = _prefill_logits(load_model(config, "cpu", show_progress=False, disable_gguf_quant=False), config, ids, page_size=16)
         with torch.no_grad():
             theirs = reference(torch.tensor([ids])).logits[0]
         assert (ours - theirs).abs().max().item() <= 1e-4
@@ -472,7 +472,7 @@ def test_olmo2_file_against_the_hf_model(qtype, kernel, tmp_path, monkeypatch):
     assert config.eos_token_ids == [263, 261] and not config.tie_word_embeddings
     tokenizer = AutoTokenizer.from_pretrained(str(materialize_gguf(path)))       # converted without transformers' config
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 263
-    model = load_model(config, "cpu", show_progress=False)
+    model = load_model(config, "cpu", show_progress=False, disable_gguf_quant=False)
     assert isinstance(model.model.layers[1].mlp.gate_up_proj.packed_weight, QuantWeight) == (qtype == Q8_0)
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(13)).tolist()
     ours = _prefill_logits(model, config, ids, page_size=16)

@@ -135,7 +135,7 @@ def test_q4_k_m_logits_match_transformers(q4_k_m_file, monkeypatch, kernel):
     if not kernel:
         monkeypatch.setattr("radixlm.runtime.layers.quant_linear.load_cpu_quant", lambda: None)
     config = dataclasses.replace(ModelConfig.from_path(str(hf), dtype="float32"), gguf_file=str(path))
-    model = load_model(config, "cpu", show_progress=False)
+    model = load_model(config, "cpu", show_progress=False, disable_gguf_quant=False)
     layer0, layer1 = model.model.layers[0], model.model.layers[1]
     qkv = layer0.self_attn.qkv_proj.packed_weight
     assert isinstance(qkv, QuantWeight) and [(p.qtype, p.rows, p.packed) for p in qkv.parts] == \

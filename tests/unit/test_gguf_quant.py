@@ -97,9 +97,11 @@ def write_tiny_gguf(folder: Path, qtype: int, tied: bool, tokenizer_from: str | 
     return path, hf
 
 
-def _ours(path: Path, hf: Path, dtype: str) -> tuple[torch.nn.Module, ModelConfig]:
+def _ours(path: Path, hf: Path, dtype: str, disable_gguf_quant: bool | None = False
+          ) -> tuple[torch.nn.Module, ModelConfig]:
+    """Loaded kept quantized unless told (None: the default rule, keep_quantized)."""
     config = dataclasses.replace(ModelConfig.from_path(str(hf), dtype=dtype), gguf_file=str(path))
-    return load_model(config, "cpu", show_progress=False), config
+    return load_model(config, "cpu", show_progress=False, disable_gguf_quant=disable_gguf_quant), config
 
 
 @pytest.mark.parametrize("qtype,tied", [(8, True), (2, False), (3, True), (6, False), (7, False)])
@@ -133,7 +135,7 @@ def test_tiny_gguf_logits_match_transformers(tmp_path, monkeypatch, qtype, tied,
 def test_dequantize_switch_keeps_dense_bf16(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXLM_DISABLE_GGUF_QUANT", "1")
     path, hf = write_tiny_gguf(tmp_path, 2, True)
-    model, _ = _ours(path, hf, "bfloat16")
+    model, _ = _ours(path, hf, "bfloat16", disable_gguf_quant=None)
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.packed_weight is None and qkv.weight.shape == (HIDDEN * 2, HIDDEN)
     assert qkv.weight.dtype == torch.bfloat16 and model.model.embed_tokens.quant_weight is None
@@ -162,6 +164,26 @@ def test_smollm2_perplexity_within_1pct_of_transformers_fp32() -> None:
     ppl_theirs = torch.exp(torch.nn.functional.cross_entropy(theirs, targets)).item()
     print(f"perplexity: quantized bf16 {ppl_ours:.4f}, transformers fp32 dequantized {ppl_theirs:.4f}")
     assert abs(ppl_ours / ppl_theirs - 1) <= 0.01, (ppl_ours, ppl_theirs)
+
+
+def test_default_dequantizes_where_the_quantized_kernels_do_not_run(tmp_path, monkeypatch):
+    """On a CPU without AVX512-VNNI (an AVX2 EPYC) the kernel-less quantized matmul dequantizes the
+    whole weight per call; by default such a CPU loads the weights dense (bf16, for the gemm
+    kernel) instead, and an explicit `disable_gguf_quant=False` still keeps them quantized."""
+    from radixlm.runtime.models import gguf_quant
+
+    monkeypatch.delenv("RADIXLM_DISABLE_GGUF_QUANT", raising=False)
+    path, hf = write_tiny_gguf(tmp_path, 3, True)
+    monkeypatch.setattr(gguf_quant, "quant_kernels_run_here", lambda: False)
+    assert not gguf_quant.keep_quantized("cpu", 1) and gguf_quant.keep_quantized("cpu", 1, dequantize=False)
+    model, _ = _ours(path, hf, "bfloat16", disable_gguf_quant=None)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(qkv.packed_weight, QuantWeight) and qkv.weight.dtype == torch.bfloat16
+    assert qkv.weight.shape == (HIDDEN * 2, HIDDEN) and model.model.embed_tokens.quant_weight is None
+    kept, _ = _ours(path, hf, "bfloat16", disable_gguf_quant=False)
+    assert isinstance(kept.model.layers[0].self_attn.qkv_proj.packed_weight, QuantWeight)
+    monkeypatch.setattr(gguf_quant, "quant_kernels_run_here", lambda: True)
+    assert gguf_quant.keep_quantized("cpu", 1)
 
 
 def test_smollm2_greedy_chat_agrees_with_dequantized() -> None:
