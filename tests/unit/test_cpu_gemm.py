@@ -1,16 +1,24 @@
-"""kernels/cpu_gemm: the AVX512-BF16 packed linear against an fp64 reference and F.linear."""
+"""kernels/cpu_gemm: the packed bf16 linear against an fp64 reference and F.linear, on the path
+this CPU takes (vdpbf16ps on AVX512-BF16, fp32 FMAs on AVX2); on an AVX512 CPU the whole file runs
+once more with the AVX2 path forced (test_the_avx2_path_on_an_avx512_cpu)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels.cpu_build import cpu_flags, pick_isa
 from radixlm.kernels.cpu_gemm import cpu_supports_gemm, load_cpu_gemm
 from radixlm.runtime.mem_cache.huge_pages import HUGE_PAGE, huge_page_empty
 
 gemm = load_cpu_gemm() if cpu_supports_gemm() else None
-pytestmark = pytest.mark.skipif(gemm is None, reason="needs a CPU with AVX512-BF16 and a C++ compiler")
+pytestmark = pytest.mark.skipif(gemm is None, reason="needs a CPU with AVX512 or AVX2 and a C++ compiler")
 
 
 def packed(w: torch.Tensor) -> torch.Tensor:
@@ -143,3 +151,20 @@ def test_llama_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch):
     got = mlp(x)
     assert calls == [1]
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
+
+
+@pytest.mark.skipif(pick_isa() != "avx512" or not {"avx2", "fma"} <= cpu_flags() or "PYTEST_GEMM_AVX2_RUN" in os.environ,
+                    reason="this CPU runs the AVX2 path in the tests above already (or this is that run)")
+def test_the_avx2_path_on_an_avx512_cpu():
+    """The fp32-FMA path that AVX2 CPUs take (gemm.h without __AVX512BF16__), built with
+    RADIXLM_CPU_KERNEL_ISA=avx2 and put through this file's tests in a fresh process."""
+    env = {**os.environ, "RADIXLM_CPU_KERNEL_ISA": "avx2", "PYTEST_GEMM_AVX2_RUN": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "radixlm_cpu_gemm_avx2" in _gemm_module_name(env)
+
+
+def _gemm_module_name(env: dict[str, str]) -> str:
+    code = "from radixlm.kernels.cpu_gemm import load_cpu_gemm; print(load_cpu_gemm().__name__)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
