@@ -1,4 +1,5 @@
-// bf16 linear layers on CPUs with AVX512-BF16: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+// bf16 linear layers on CPUs with AVX512-BF16 (vdpbf16ps) or AVX2/AVX512 (fp32 FMAs, further down):
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
 //
 // The weight is packed once into blocks of 64 output rows, each stored k-pair by k-pair:
 //
@@ -113,10 +114,10 @@ inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
-// Rows [0, R) of xf (fp32, row stride ld) against V vectors (8 V output rows) of block wb starting at
-// vector v0 -> acc. Per k pair the V weight vectors are widened once and used by all R rows.
 #define RADIXLM_GEMM_INLINE inline __attribute__((always_inline))
 
+// Rows [0, R) of xf (fp32, row stride ld) against V vectors (8 V output rows) of block wb starting at
+// vector v0 -> acc. Per k pair the V weight vectors are widened once and used by all R rows.
 template <int R, int V>
 RADIXLM_GEMM_INLINE void dot(const float* xf, int64_t ld, const bf16* wb, int64_t K2, int v0, __m256 (&acc)[R][V]) {
   for (int r = 0; r < R; ++r)
@@ -144,8 +145,8 @@ RADIXLM_GEMM_INLINE void dot(const float* xf, int64_t ld, const bf16* wb, int64_
 // rows n0 + 8 v0 .. (those below N). The sums come through memory because indexing a register array
 // in this loop made GCC keep that array on the stack for the whole k loop (halving the speed); and
 // not inlined, so that its constants do not take registers from the sums.
-__attribute__((noinline)) inline void store(const float* res, int rows, int V, int64_t n0, int v0, int64_t N, const bf16* bias, bf16* out,
-                  int64_t ldo) {
+__attribute__((noinline)) inline void store(const float* res, int rows, int V, int64_t n0, int v0, int64_t N,
+                                            const bf16* bias, bf16* out, int64_t ldo) {
   for (int i = 0; i < V; ++i) {
     const int64_t n = n0 + 8 * (v0 + i), count = std::min<int64_t>(8, N - n);
     if (count <= 0) break;
@@ -242,9 +243,9 @@ inline void rows_widened(const float* xf, int64_t K, const float* wf, int64_t n0
 
 }  // namespace avx2
 
-// Rows [0, MR) of x against packed block `wb` (output rows n0 .. n0 + 63): one row streams the block
-// 64 outputs at a time, more rows go 16 outputs at a time (4 rows: 8 sums, 4 widened weights and two
-// broadcasts in the 16 vector registers), the 5th and 6th rows as a second group.
+// Rows [0, MR) of x against packed block `wb` (output rows n0 .. n0 + 63): one row goes 32 outputs
+// at a time, more rows 16 at a time (4 rows: 8 sums, 4 widened weights and two broadcasts in the 16
+// vector registers), the 5th and 6th rows as a second group.
 template <int MR>
 inline void tile(const bf16* x, int64_t ldx, const bf16* wb, int64_t K2, int64_t n0, int64_t N,
                  const bf16* bias, bf16* out, int64_t ldo) {
