@@ -40,6 +40,8 @@ def gemm_flags(flags: set[str] | None = None) -> tuple[str, ...]:
 # gemm_silu.h uses the fused ops' SiLU (kernels/cpu_ops) so that its result is silu_and_mul's
 HEADERS = [_SRC_DIR / "gemm.h", _SRC_DIR / "gemm_silu.h", _SRC_DIR.parent / "cpu_ops" / "fused_ops.h",
            _SRC_DIR.parent / "cpu_attention" / "simd.h"]
+
+
 def gemm_enabled() -> bool:
     """This CPU runs the kernel and RADIXLM_DISABLE_CPU_GEMM is not set."""
     return not env.DISABLE_CPU_GEMM.get() and cpu_supports_gemm()
