@@ -49,7 +49,7 @@ def load_cpu_attention(isa: str | None = None):
     """
     mod = load_extension("cpu_attention", "CPU attention kernels", isa, [_SRC_DIR / "paged_attention.cpp"],
                          [_SRC_DIR / "paged_attention.h", _SRC_DIR / "extend_brgemm.h", _SRC_DIR / "dpbf16_gemm.h",
-                          _SRC_DIR / "simd.h"])
+                          _SRC_DIR / "simd.h", _SRC_DIR.parent / "cpu_ops" / "parallel.h"])
     if mod is not None:
         _register_custom_ops(mod)
     return mod

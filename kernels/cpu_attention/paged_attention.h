@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace radixlm_attn {
@@ -266,7 +267,9 @@ void decode_kernel(const Args& a) {
   const int H = static_cast<int>(a.H);
   // one task per (request, kv split), all kv heads inside: a slot's K/V rows for every kv head
   // are adjacent in memory, so each key block is read from DRAM once
-  at::parallel_for(0, a.bs * a.S, 1, [&](int64_t begin, int64_t end) {
+  // requests differ in length: tasks taken at run time (parallel.h), not in one fixed range per thread
+  radixlm_parallel::guided_for(a.bs * a.S, [](int64_t left) { return radixlm_parallel::guided_share(left, 1); },
+                               [&](int64_t begin, int64_t end) {
     Scratch w(H, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / a.S, sp = task % a.S;

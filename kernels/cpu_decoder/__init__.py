@@ -31,7 +31,8 @@ from ..cpu_gemm import gemm_enabled, gemm_flags
 from ..cpu_quant import QUANT_FLAGS, cpu_supports_quant
 
 _KERNELS = Path(__file__).parent.parent
-_HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "paged_attention.h",
+_HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_ops" / "parallel.h",
+            _KERNELS / "cpu_attention" / "paged_attention.h",
             _KERNELS / "cpu_attention" / "extend_brgemm.h", _KERNELS / "cpu_attention" / "dpbf16_gemm.h",
             _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h",
             _KERNELS / "cpu_gemm" / "gemm_silu.h", _KERNELS / "cpu_moe" / "moe.h", _KERNELS / "cpu_quant" / "quant.h",

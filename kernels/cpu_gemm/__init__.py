@@ -39,6 +39,7 @@ def gemm_flags(flags: set[str] | None = None) -> tuple[str, ...]:
 
 # gemm_silu.h uses the fused ops' SiLU (kernels/cpu_ops) so that its result is silu_and_mul's
 HEADERS = [_SRC_DIR / "gemm.h", _SRC_DIR / "gemm_silu.h", _SRC_DIR.parent / "cpu_ops" / "fused_ops.h",
+           _SRC_DIR.parent / "cpu_ops" / "parallel.h",
            _SRC_DIR.parent / "cpu_attention" / "simd.h"]
 
 

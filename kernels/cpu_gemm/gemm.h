@@ -26,6 +26,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -325,15 +327,24 @@ inline void block_range(int64_t rows, int64_t left, const bf16* x, int64_t ldx, 
   }
 }
 
+// How many (block, row tile) units a thread takes next when `left` remain: a guided share in whole
+// blocks of `tiles` units while that is at least a block (a block split between two ranges is widened
+// twice on the AVX2 path), then half blocks.
+inline int64_t take_units(int64_t left, int64_t tiles) {
+  const int64_t share = radixlm_parallel::guided_share(left, 1);
+  return share >= tiles ? share / tiles * tiles : std::max<int64_t>(share, tiles / 2);
+}
+
 // The output and loops of linear() and gemm_silu.h's linear_silu_mul(), x and packed checked by them:
 // out = [M, n_out] bf16; rows of x in chunks of kRowChunk, and per chunk every (block, row tile) pair
-// once. The pairs of a chunk go block-major, split into one contiguous range per thread, so a thread
-// streams whole blocks except at the two ends of its range; body(xp, ldx, wp, op, b, m, m_end, m1)
-// writes block b for the tiles of rows [m, m_end) of the chunk that ends at row m1
-// (next_tile_rows(m1 - m) rows at a time; xp: x with row stride ldx, wp: the packed weight, op: out).
-// Splitting blocks alone left threads uneven whenever the block count is not a multiple of the thread
-// count: SmolLM2's o_proj and down_proj have 9 blocks, 5 for one thread and 4 for the other, 10% of
-// their time spent waiting at 2 threads.
+// once. The pairs of a chunk go block-major and threads take contiguous ranges of them at run time
+// (parallel.h), so a thread streams whole blocks except at the ends of its ranges;
+// body(xp, ldx, wp, op, b, m, m_end, m1) writes block b for the tiles of rows [m, m_end) of the chunk
+// that ends at row m1 (next_tile_rows(m1 - m) rows at a time; xp: x with row stride ldx, wp: the
+// packed weight, op: out). Splitting blocks alone left threads uneven whenever the block count is not
+// a multiple of the thread count (SmolLM2's o_proj and down_proj have 9 blocks: 10% of their time
+// spent waiting at 2 threads), and one fixed range per thread left the fast thread waiting whenever a
+// neighbour slowed the other (parallel.h).
 template <typename Body>
 inline at::Tensor run_row_chunks(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, int64_t blocks,
                                  Body&& body) {
@@ -342,16 +353,16 @@ inline at::Tensor run_row_chunks(const at::Tensor& x, const at::Tensor& packed, 
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  const int64_t threads = at::get_num_threads();
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m1 = std::min(M, m0 + kRowChunk), tiles = num_row_tiles(m1 - m0), units = blocks * tiles;
-    at::parallel_for(0, units, (units + threads - 1) / threads, [&](int64_t u0, int64_t u1) {
+    auto run = [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1;) {
         const int64_t b = u / tiles, t0 = u % tiles, t1 = std::min(tiles, t0 + (u1 - u));
         body(xp, ldx, wp, op, b, m0 + 4 * t0, t1 == tiles ? m1 : m0 + 4 * t1, m1);
         u += t1 - t0;
       }
-    });
+    };
+    radixlm_parallel::guided_for(units, [&](int64_t left) { return take_units(left, tiles); }, run);
   }
   return out;
 }

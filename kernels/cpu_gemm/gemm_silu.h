@@ -15,7 +15,12 @@
 
 namespace radixlm_gemm {
 
-constexpr int64_t kSiluRows = 96;   // rows per gate / up pass on the AVX2 path (2 x 12 KiB of results)
+// rows per gate / up pass: a tile on the AVX512-BF16 path, 96 on the AVX2 path (2 x 12 KiB of results)
+#if defined(__AVX512BF16__)
+constexpr int64_t kHalfRows = kMaxTileRows;
+#else
+constexpr int64_t kHalfRows = 96;
+#endif
 
 // Rows [0, rows) of x (at most kMaxTileRows) against gate block wg and up block wu into gate / up
 // ([rows][kBlock] bf16 each).
@@ -38,23 +43,16 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
                                                   int64_t m, int64_t m_end, int64_t m1) {
     const bf16* wg = wp + b * K2 * kBlock * 2;
     const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
-#if !defined(__AVX512BF16__)
-    if (m_end - m >= kWidenRows) {   // AVX2 path: whole ranges, so each half is widened once per kSiluRows rows
-      bf16 gate[kSiluRows * kBlock], up[kSiluRows * kBlock];
-      for (int64_t mr; m < m_end; m += mr) {
-        mr = std::min(kSiluRows, m_end - m);
-        block_range(mr, mr, xp + m * ldx, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-        block_range(mr, mr, xp + m * ldx, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
-        for (int64_t r = 0; r < mr; ++r)
-          radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
-      }
-      return;
-    }
-#endif
-    bf16 gate[kMaxTileRows * kBlock], up[kMaxTileRows * kBlock];
+    bf16 gate[kHalfRows * kBlock], up[kHalfRows * kBlock];
     for (int64_t mr; m < m_end; m += mr) {
+#if !defined(__AVX512BF16__)   // AVX2: block_range widens each half once per pass (from kWidenRows rows)
+      mr = std::min(kHalfRows, m_end - m);
+      block_range(mr, mr, xp + m * ldx, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
+      block_range(mr, mr, xp + m * ldx, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
+#else
       mr = next_tile_rows(m1 - m);
       gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up);
+#endif
       for (int64_t r = 0; r < mr; ++r)
         radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
     }

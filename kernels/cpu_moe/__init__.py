@@ -22,7 +22,7 @@ from ..cpu_gemm import gemm_enabled, gemm_flags
 
 _KERNELS = Path(__file__).parent.parent
 _HEADERS = [Path(__file__).parent / "moe.h", _KERNELS / "cpu_gemm" / "gemm.h", _KERNELS / "cpu_gemm" / "gemm_silu.h",
-            _KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_attention" / "simd.h"]
+            _KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_ops" / "parallel.h", _KERNELS / "cpu_attention" / "simd.h"]
 
 
 @functools.cache
