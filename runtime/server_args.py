@@ -65,6 +65,8 @@ class ServerArgs:
     device: str = _f("auto", "Device to run on (auto picks cuda when available).", ("auto", "cpu", "cuda"))
     context_length: int | None = _f(None, "Max tokens per request (prompt + output). Default: the model's.")
     trust_remote_code: bool = _f(False, "Accepted for compatibility; custom model code is never run.")
+    json_model_override_args: str = _f("{}", "A JSON object of config.json fields to override, e.g. "
+                                       "'{\"num_hidden_layers\": 4}' (layers past it are not loaded).")
     # --- memory
     mem_fraction_static: float = _f(0.8, "Fraction of free memory (GPU, or RAM on CPU) for weights + KV.")
     max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides --mem-fraction-static).")
@@ -265,6 +267,7 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.max_constraint_bytes < 1:
             raise ValueError("--max-constraint-bytes must be >= 1")
+        self.model_overrides  # noqa: B018 (raises on a bad --json-model-override-args)
         self._validate_kv_cache_dtype()
         if self.kv_events_config is not None:
             from .mem_cache.kv_events import KVEventsConfig
@@ -308,6 +311,19 @@ class ServerArgs:
         if wanted != model_dtype:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: the KV cache uses the "
                              f"model dtype ({model_dtype or 'unknown'}); pass auto or that dtype")
+
+    @property
+    def model_overrides(self) -> dict[str, Any]:
+        """--json-model-override-args as a dict (ValueError when it is not a JSON object)."""
+        import json
+
+        try:
+            overrides = json.loads(self.json_model_override_args or "{}")
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--json-model-override-args is not valid JSON: {err}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--json-model-override-args must be a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
+        return overrides
 
     @property
     def model_name(self) -> str:

@@ -199,7 +199,8 @@ def preflight(args: ServerArgs) -> None:
     """Cheap checks of the model before any child starts (reads config.json only)."""
     from ..models.model_config import ModelConfig
 
-    config = ModelConfig.from_path(args.model_path, dtype=args.dtype, context_length=args.context_length)
+    config = ModelConfig.from_path(args.model_path, dtype=args.dtype, context_length=args.context_length,
+                                   overrides=args.model_overrides)
     config.check_tp_size(args.tp_size)
 
 

@@ -55,7 +55,8 @@ class ModelRunner:
         torch.manual_seed(server_args.random_seed)
         self.model_config = ModelConfig.from_path(server_args.model_path, dtype=server_args.dtype,
                                                   context_length=server_args.context_length,
-                                                  device=self.device.type)
+                                                  device=self.device.type,
+                                                  overrides=server_args.model_overrides)
         self._init_distributed()
         from ..models.weight_loader import load_model
 

@@ -71,8 +71,10 @@ class ModelConfig:
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
-                  revision: str | None = None, device: str = "cpu") -> ModelConfig:
-        """Reads `path`/config.json (resolving a hub id first if `path` is not a local folder).
+                  revision: str | None = None, device: str = "cpu",
+                  overrides: dict | None = None) -> ModelConfig:
+        """Reads `path`/config.json (resolving a hub id first if `path` is not a local folder), with
+        the fields in `overrides` (--json-model-override-args) replacing the file's.
 
         For a .gguf file, reads the config converted from its metadata (written on first use).
         `device` ("cpu" or "cuda") only matters for `dtype="auto"` (see `resolve_dtype`)."""
@@ -86,14 +88,22 @@ class ModelConfig:
         hf = _read_json(folder / "config.json")
         if hf is None:
             raise ModelLoadError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
-        arch = _check_architecture(hf)
-        reason = unsupported_reason(arch, hf)
-        if reason is not None:
-            raise ModelLoadError(f"{reason} ({str(folder / 'config.json')!r})")
+        if overrides:
+            logger.info("config.json overridden by --json-model-override-args: %s", overrides)
+            hf = {**hf, **overrides}
         try:
+            arch = _check_architecture(hf)
+            reason = unsupported_reason(arch, hf)
+            if reason is not None:
+                raise ModelLoadError(f"{reason} ({str(folder / 'config.json')!r})")
             config = ModelConfig._from_hf(str(folder), hf, arch, dtype, context_length, device)
         except KeyError as err:
             raise ModelLoadError(f"{str(folder / 'config.json')!r} lacks the field {err.args[0]!r}") from None
+        except ModelLoadError:
+            raise
+        except (TypeError, ValueError) as err:      # an override of the wrong type, e.g. a string for a count
+            given = f" with --json-model-override-args {overrides}" if overrides else ""
+            raise ModelLoadError(f"{str(folder / 'config.json')!r}{given}: {err}") from None
         return dataclasses.replace(config, gguf_file=gguf_file) if gguf_file else config
 
     @staticmethod

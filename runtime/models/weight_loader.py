@@ -8,6 +8,8 @@ checkpoint; each parameter's `weight_loader` keeps only this TP rank's slice.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,10 @@ from ..distributed.parallel_state import get_tp_rank, get_tp_size
 from .model_config import ModelConfig, ModelLoadError
 from .registry import get_model_class
 
+logger = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -57,9 +62,27 @@ def checkpoint_weights(config: ModelConfig, show_progress: bool = True,
     if config.gguf_file:
         from .gguf_loader import iterate_gguf_weights
 
-        return iterate_gguf_weights(config.gguf_file, config.num_heads, config.num_kv_heads, show_progress,
-                                    keep_quantized=keep_quantized)
-    return iterate_weights(config.path, show_progress=show_progress)
+        weights = iterate_gguf_weights(config.gguf_file, config.num_heads, config.num_kv_heads, show_progress,
+                                       keep_quantized=keep_quantized)
+    else:
+        weights = iterate_weights(config.path, show_progress=show_progress)
+    return _first_layers(weights, config.num_layers)
+
+
+def _first_layers(weights: Iterator[tuple[str, torch.Tensor]], num_layers: int
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drops the tensors of layers >= num_layers (a checkpoint cut short by --json-model-override-args
+    '{"num_hidden_layers": N}'), with one log line saying how many."""
+    dropped: set[int] = set()
+    for name, tensor in weights:
+        match = LAYER_NAME.match(name)
+        if match and int(match.group(1)) >= num_layers:
+            dropped.add(int(match.group(1)))
+            continue
+        yield name, tensor
+    if dropped:
+        logger.info("Skipped the checkpoint's layers %d-%d: the model has %d layers", min(dropped), max(dropped),
+                    num_layers)
 
 
 def load_model(config: ModelConfig, device: str | torch.device = "cpu", show_progress: bool | None = None,

@@ -13,6 +13,7 @@ from radixlm.kernels import cpu_ops
 from tests.real_model import CHAT_PROMPTS, chat_ids, hf_tokenizer, smollm2_gguf
 
 MAX_NEW = 24
+COMPILED_LAYERS = 6
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="fused CPU ops unavailable")
 
@@ -60,12 +61,16 @@ def test_fused_ops_greedy_equals_eager_torch_in_bf16(prompt_ids, torch_tokens) -
 
 
 def test_compiled_decode_with_fused_ops_equals_eager_torch_in_bf16(prompt_ids) -> None:
-    """Every request runs to MAX_NEW tokens, so only the batch > 1 graph compiles (each compile of
-    the 30 layers takes minutes on 2 cores; test_compiled_decode.py compiles batch 1 too, on the
-    tiny llama). The compiled path keeps the plain F.linear weights (inductor packs its own), so the
-    eager reference does too: the packed gemm layout (kernels/cpu_gemm) sums in its own order."""
-    want = torch_greedy(prompt_ids, ignore_eos=True, disable_packed_weights=True)
+    """SmolLM2's first COMPILED_LAYERS layers (--json-model-override-args): the compiled graph is
+    the same code per layer, and compiling all 30 takes minutes on 2 cores (about 9 s a layer).
+    Every request runs to MAX_NEW tokens, so only the batch > 1 graph compiles
+    (test_compiled_decode.py compiles batch 1 too, on the tiny llama). The compiled path keeps the
+    plain F.linear weights (inductor packs its own), so the eager reference does too: the packed
+    gemm layout (kernels/cpu_gemm) sums in its own order."""
+    cut = {"json_model_override_args": f'{{"num_hidden_layers": {COMPILED_LAYERS}}}'}
+    want = torch_greedy(prompt_ids, ignore_eos=True, disable_packed_weights=True, **cut)
     assert cpu_ops.enabled()
-    got, h = greedy_run(prompt_ids, ignore_eos=True, enable_torch_compile=True)
+    got, h = greedy_run(prompt_ids, ignore_eos=True, enable_torch_compile=True, **cut)
+    assert len(h.scheduler.runner.model.model.layers) == COMPILED_LAYERS
     assert h.scheduler.runner.decode_forward._seen == {False}
     assert_same(got, want)
