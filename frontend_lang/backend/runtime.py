@@ -84,10 +84,10 @@ class Runtime:
         return self._endpoint().get_server_info()
 
     def get_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+        from radixlm.runtime.hf_tokenizer import get_tokenizer
 
         path = self.server_args.get("tokenizer_path") or self._endpoint().model_info.get("tokenizer_path")
-        return AutoTokenizer.from_pretrained(path or self.server_args["model_path"])
+        return get_tokenizer(path or self.server_args["model_path"])
 
     def generate(self, prompt: str | list[str], sampling_params: dict[str, Any] | None = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None,

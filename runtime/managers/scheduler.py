@@ -63,9 +63,9 @@ class Scheduler:
         self.prefix_cache = self.kv.prefix_cache
         self.sessions = SessionLocks(self.kv)
         self.planner = BatchPlanner(server_args, self.kv, runner.max_running_requests)
-        from transformers import AutoTokenizer
+        from ..hf_tokenizer import get_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path)
         cfg = runner.model_config
         self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids, cfg.vocab_size, runner.context_len,
                                       runner.device, jump_forward=not server_args.disable_jump_forward)

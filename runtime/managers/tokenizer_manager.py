@@ -54,9 +54,9 @@ DISCONNECT_POLL_S = 1.0
 
 
 def load_tokenizer(server_args: ServerArgs) -> Any:
-    from transformers import AutoTokenizer
+    from ..hf_tokenizer import get_tokenizer
 
-    return AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+    return get_tokenizer(server_args.tokenizer_path or server_args.model_path)
 
 
 class TokenizerManager:
