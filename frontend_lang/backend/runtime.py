@@ -84,7 +84,7 @@ class Runtime:
         return self._endpoint().get_server_info()
 
     def get_tokenizer(self) -> Any:
-        from radixlm.runtime.hf_tokenizer import get_tokenizer
+        from ...runtime.hf_tokenizer import get_tokenizer
 
         path = self.server_args.get("tokenizer_path") or self._endpoint().model_info.get("tokenizer_path")
         return get_tokenizer(path or self.server_args["model_path"])
