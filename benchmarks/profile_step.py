@@ -77,11 +77,14 @@ def make_scheduler(args: argparse.Namespace) -> Any:
 
 
 def _typed(extra: dict[str, str]) -> dict[str, Any]:
+    from dataclasses import MISSING
+
     from radixlm.runtime.server_args import ServerArgs
 
     out: dict[str, Any] = {}
     for name, value in extra.items():
-        default = ServerArgs.__dataclass_fields__[name].default
+        field = ServerArgs.__dataclass_fields__[name]
+        default = field.default if field.default_factory is MISSING else field.default_factory()
         if isinstance(default, bool):
             out[name] = value.lower() in ("1", "true", "yes")
         elif default is not None:

@@ -129,6 +129,32 @@ def test_decode_is_batch_invariant(dtype):
             assert torch.equal(out[rows.index(i)], together[i]), (i, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_shared_prefix_rows(dtype, page_size):
+    """Rows whose tables share a prefix's slots (as the radix cache hands them out): the result
+    matches the reference and has the same bits as each request decoded alone."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    sizes = [1100, 1100, 1150, 700, 1100, 90, 1100, 1100, 1100, 1100, 1100, 1100, 1600, 200, 1040]
+    fb, q = make_batch([(s - 1, s) for s in sizes], page_size, heads, kv_heads, head_dim, dtype, seed=5,
+                       mode=ForwardMode.DECODE)
+    table, rows = fb.req_to_token_pool.req_to_token, fb.req_pool_indices.tolist()
+    shared = {1: 1024, 2: 1024, 3: 600, 4: 1024, 6: 1024, 7: 1024, 8: 1024, 9: 1024, 10: 1024, 11: 1024,
+              12: 1024, 13: 130, 14: 1030}            # row i's first n slots are row 0's
+    for i, n in shared.items():
+        table[rows[i], :n] = table[rows[0], :n]
+    layer = RadixAttention(0, heads, kv_heads, head_dim, head_dim ** -0.5)
+    args = (fb.kv_cache.k_buffer[0], fb.kv_cache.v_buffer[0], table)
+    together = torch.empty_like(q)
+    KERNELS.decode(together, q, *args, fb.req_pool_indices, fb.seq_lens, layer.scaling, 0)
+    check(fb, q, layer, together)
+    for i in range(len(sizes)):
+        idx = torch.tensor([i])
+        alone = torch.empty_like(q[idx])
+        KERNELS.decode(alone, q[idx].contiguous(), *args, fb.req_pool_indices[idx], fb.seq_lens[idx], layer.scaling, 0)
+        assert torch.equal(alone[0], together[i]), i
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])
 def test_decode_long_context_auto_splits(heads, kv_heads):
     """Batch 1 at a long context: the kernel picks split-KV on its own."""
