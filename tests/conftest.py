@@ -18,6 +18,10 @@ from pathlib import Path
 # Before torch loads OpenMP: sleeping (not spinning) worker threads keep the many test processes
 # on a small machine from starving each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# What a scheduler process with speculative decoding sets before its first matmul (scheduler_process.
+# reproducible_blas): MKL reads it once per process, and the in-process SchedulerHarness tests of
+# speculation run after other tests' matmuls.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -11,6 +11,7 @@ slices instead of spinning.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
@@ -33,6 +34,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     prefix = f"scheduler dp{dp_rank} tp{tp_rank}" if server_args.dp_size > 1 else f"scheduler tp{tp_rank}"
     configure_logging(server_args.log_level, prefix)
     kill_self_with_parent()
+    reproducible_blas(server_args)
     set_torch_threads()
     try:
         scheduler = Scheduler(server_args, tp_rank, dp_rank)
@@ -54,6 +56,18 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     except Exception:  # noqa: BLE001
         logger.error("scheduler crashed: %s", traceback.format_exc())
         sys.exit(1)
+
+
+def reproducible_blas(server_args: ServerArgs) -> None:
+    """With speculative decoding on CPU, asks MKL for its strict reproducible mode (`MKL_CBWR=AUTO,STRICT`)
+    unless the environment sets MKL_CBWR: on Intel CPUs with AVX512 its fp32 matmul picks kernels by row
+    count, so a one-row decode step and the same row inside a verify pass got different bits and greedy
+    outputs parted. Strict mode sums a row the same way whatever the row count. MKL reads the variable
+    at its first call, so this runs before the model loads. bf16 weights use oneDNN or radixlm's gemm, not MKL."""
+    if server_args.speculative_algorithm is None or server_args.device == "cuda" or "MKL_CBWR" in os.environ:
+        return
+    os.environ["MKL_CBWR"] = "AUTO,STRICT"
+    logger.info("Speculative decoding: MKL_CBWR=AUTO,STRICT (fp32 matmuls give a row the same bits in any batch)")
 
 
 GRAMMAR_POLL_MS = 5          # how often a scheduler with only compiling grammars checks them

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
 
 import pytest
 from helpers import SchedulerHarness, random_prompts
@@ -474,3 +475,21 @@ def test_adaptive_proposals_only_where_rows_pay(row_cost, expect_rows):
     good.spec_state.accepted, good.spec_state.rejected = 20.0, 0.0
     spec.propose([good, new], context_len=1000)
     assert len(good.draft_ids) >= len(new.draft_ids) and len(good.draft_ids) >= 1
+
+
+# ----------------------------------------------------------------- MKL's reproducible mode
+def test_scheduler_process_asks_mkl_for_row_count_independent_sums(monkeypatch):
+    """Speculation on CPU sets MKL_CBWR=AUTO,STRICT unless the environment chose a mode; off, nothing
+    changes. (On an AMX Xeon, without it, these tests' fp32 greedy outputs parted with speculation.)"""
+    from radixlm.runtime.managers.scheduler_process import reproducible_blas
+    from radixlm.runtime.server_args import ServerArgs
+
+    spec = ServerArgs.from_kwargs(model_path="x", device="cpu", speculative_algorithm="NGRAM")
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    reproducible_blas(ServerArgs.from_kwargs(model_path="x", device="cpu"))
+    assert "MKL_CBWR" not in os.environ
+    reproducible_blas(spec)
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    reproducible_blas(spec)
+    assert os.environ["MKL_CBWR"] == "AVX2"
