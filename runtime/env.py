@@ -148,6 +148,9 @@ LINEAR_SELECT_CACHE = _var("RADIXLM_LINEAR_SELECT_CACHE", str, None, "JSON file 
 ONEDNN_MAX_CPU_ISA = _var("ONEDNN_MAX_CPU_ISA", str, None, "oneDNN's own cap on the instruction set it uses "
                           "(read by oneDNN at its first matmul). radixlm sets it to AVX512_CORE_BF16 in "
                           "its process when the CPU advertises AMX but the kernel refuses the tile state.")
+MKL_CBWR = _var("MKL_CBWR", str, None, "MKL's reproducibility mode (read by MKL at its first call). With "
+                "speculative decoding on CPU, radixlm sets it to AUTO,STRICT in the scheduler process when "
+                "unset: fp32 matmuls then give a row the same bits in a batch of any size.")
 REQUIRE_TEST_DEPS = _var("RADIXLM_REQUIRE_TEST_DEPS", bool, False, "Tests: fail instead of skipping when an "
                          "optional test dependency is missing (the real SmolLM2 model, SGLang's client, "
                          "sglang-router, chromium). .ci/run sets it.")

@@ -11,7 +11,6 @@ slices instead of spinning.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
@@ -19,6 +18,7 @@ import traceback
 import torch
 import zmq
 
+from .. import env
 from ..server_args import ServerArgs
 from ..utils import configure_logging, kill_self_with_parent
 from .io_struct import ChildFailed, SchedulerReady
@@ -64,9 +64,9 @@ def reproducible_blas(server_args: ServerArgs) -> None:
     count, so a one-row decode step and the same row inside a verify pass got different bits and greedy
     outputs parted. Strict mode sums a row the same way whatever the row count. MKL reads the variable
     at its first call, so this runs before the model loads. bf16 weights use oneDNN or radixlm's gemm, not MKL."""
-    if server_args.speculative_algorithm is None or server_args.device == "cuda" or "MKL_CBWR" in os.environ:
+    if server_args.speculative_algorithm is None or server_args.device == "cuda" or env.MKL_CBWR.get() is not None:
         return
-    os.environ["MKL_CBWR"] = "AUTO,STRICT"
+    env.MKL_CBWR.set("AUTO,STRICT")
     logger.info("Speculative decoding: MKL_CBWR=AUTO,STRICT (fp32 matmuls give a row the same bits in any batch)")
 
 
