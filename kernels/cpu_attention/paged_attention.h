@@ -131,12 +131,15 @@ constexpr int kAccRegs = 8;
 
 constexpr int pow2_floor(int x) { return x >= 16 ? 16 : x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 
-// Software prefetch of one K or V row (D elements) into L1: paged rows are scattered, and the
-// hardware prefetchers do not follow the slot table.
+// Software prefetch of one K or V row (D elements): paged rows are scattered, and the hardware
+// prefetchers do not follow the slot table. Into L2 (T1), not L1: a block's next K rows and its V
+// rows for every query group are more lines than L1 keeps in flight, and on a Zen 4 EPYC (2 threads,
+// batch 64 x 448 keys, SmolLM2's 3 kv heads) decode took 0.71-0.82 ms per layer with T1 against
+// 1.29 with T0 when a request's slots were consecutive, 0.95-1.04 against 2.5 when shuffled.
 template <int D, typename kv_t>
 inline void prefetch_row(const kv_t* row) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int b = 0; b < static_cast<int>(D * sizeof(kv_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  for (int b = 0; b < static_cast<int>(D * sizeof(kv_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 // One key block [j0, j0 + n) for GB query vectors (qf, acc, s, m, l each start at this group):
