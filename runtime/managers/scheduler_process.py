@@ -93,6 +93,8 @@ def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapt
             if not scheduler.has_work():    # just went idle: final stats now, and a leak check
                 scheduler.send(scheduler.stats())
                 scheduler.check_idle_invariants()
+        elif adapter is not None:           # idle: a quiet look gives a dropped thread back before the next burst
+            adapter.tick(0.0)
 
 
 def recv_messages(scheduler: Scheduler, puller: Puller | None, wait_ms: int) -> list:

@@ -2,6 +2,7 @@
 
     adapter = ThreadAdapter(torch.get_num_threads())
     adapter.tick(step_s)    # after each scheduler step (it took step_s); looks at the load every INTERVAL_S
+    adapter.tick(0.0)       # while idle (the event loop, once per poll): may only give threads back
 
 OpenMP threads wait for each other at the end of every parallel region, spinning first. When another
 process holds one of the cores, the thread it displaced finishes each region late and the others spin
@@ -23,7 +24,11 @@ side-by-side benchmark alternates short greedy requests between two servers befo
 each of this server's looks then spanned the other server's request (57% of the cores), the thread
 went after two of them, and the first timed run prefilled its first wave on one thread (3 s on a
 Zen 5 EPYC) before a quiet interval brought it back. A mostly idle interval may still restore the
-threads (the others were quiet) and restarts the count of busy ones.
+threads (the others were quiet) and restarts the count of busy ones. The idle scheduler ticks too
+(step_s 0, once per poll), so such an interval ends while it waits: otherwise the first look after a
+drop came after the next burst's first step. On a Zen 4 EPYC a thread dropped while the other server
+of a side-by-side benchmark really spun beside this one's greedy check came back only after the first
+timed run's first 2,048-token prefill, which ran on one thread (2 s instead of 1.2).
 
 "Other processes" are those outside this server: the CPU time of the scheduler's parent (the HTTP
 and tokenizer process) and of its children (the detokenizer, other ranks) counts as the scheduler's

@@ -62,3 +62,29 @@ def test_loop_waits_on_its_socket_while_only_grammars_compile(tmp_path):
     # 0.2 s in GRAMMAR_POLL_MS slices is at most ~40 steps; a spinning loop makes thousands
     assert compiling <= 0.2 * 1000 / scheduler_process.GRAMMAR_POLL_MS + 2, compiling
     assert busy > 10 * compiling            # with requests to run it does not wait at all
+
+
+class RecordingAdapter:
+    def __init__(self):
+        self.ticks: list[float] = []
+
+    def tick(self, step_s: float) -> None:
+        self.ticks.append(step_s)
+
+
+def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
+    """An idle server looks at the load too (tick(0.0) once per poll), so a thread dropped for a
+    neighbour comes back while it waits, not after the next burst's first step."""
+    monkeypatch.setattr(scheduler_process, "IDLE_POLL_MS", 10)
+    ctx = zmq.Context()
+    puller = Puller(ctx, f"ipc://{tmp_path}/sched")
+    idle, busy = RecordingAdapter(), RecordingAdapter()
+    try:
+        for waiting, seconds, adapter in (([], 0.2, idle), (["req"], 0.05, busy)):
+            with pytest.raises(_Stop):
+                scheduler_process.event_loop(FakeScheduler(waiting, [], [], seconds), puller, adapter)
+    finally:
+        puller.close()
+        ctx.term()
+    assert len(idle.ticks) >= 5 and set(idle.ticks) == {0.0}
+    assert busy.ticks and all(t > 0.0 for t in busy.ticks)
