@@ -71,13 +71,14 @@ def reproducible_blas(server_args: ServerArgs) -> None:
 
 
 GRAMMAR_POLL_MS = 5          # how often a scheduler with only compiling grammars checks them
+ADAPTER_POLL_MS = 250        # how often an idle scheduler whose adapter dropped a thread looks at the load
 
 
 def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapter | None = None) -> None:
     """Receives, steps, repeats; `adapter` (CPU) adapts the thread count to the neighbours' load."""
     while True:
-        if not scheduler.has_work():
-            wait_ms = IDLE_POLL_MS
+        if not scheduler.has_work():        # while a thread is held back, look at the load more often
+            wait_ms = IDLE_POLL_MS if adapter is None or not adapter.held_back() else ADAPTER_POLL_MS
         elif scheduler.waiting or scheduler.running:
             wait_ms = 0
         else:                               # only grammars compiling elsewhere: nothing to run yet

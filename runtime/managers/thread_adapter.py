@@ -25,7 +25,7 @@ each of this server's looks then spanned the other server's request (57% of the 
 went after two of them, and the first timed run prefilled its first wave on one thread (3 s on a
 Zen 5 EPYC) before a quiet interval brought it back. A mostly idle interval may still restore the
 threads (the others were quiet) and restarts the count of busy ones. The idle scheduler ticks too
-(step_s 0, once per poll), so such an interval ends while it waits: otherwise the first look after a
+(step_s 0, once per poll, every 0.25 s while a thread is dropped), so such an interval ends while it waits: otherwise the first look after a
 drop came after the next burst's first step. On a Zen 4 EPYC a thread dropped while the other server
 of a side-by-side benchmark really spun beside this one's greedy check came back only after the first
 timed run's first 2,048-token prefill, which ran on one thread (2 s instead of 1.2).
@@ -88,6 +88,10 @@ class ThreadAdapter:
             self._set(self.threads - 1, share, wall)
         elif share <= RESTORE_SHARE and self.threads < self.max_threads:
             self._set(self.max_threads, share, wall)
+
+    def held_back(self) -> bool:
+        """Whether a thread is dropped now."""
+        return self.threads < self.max_threads
 
     def _set(self, threads: int, share: float, wall: float) -> None:
         logger.info("Other processes used %.0f%% of the cores over the last %.1f s%s: torch threads %d -> %d",

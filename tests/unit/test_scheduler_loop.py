@@ -65,11 +65,15 @@ def test_loop_waits_on_its_socket_while_only_grammars_compile(tmp_path):
 
 
 class RecordingAdapter:
-    def __init__(self):
+    def __init__(self, held_back: bool = False):
         self.ticks: list[float] = []
+        self._held_back = held_back
 
     def tick(self, step_s: float) -> None:
         self.ticks.append(step_s)
+
+    def held_back(self) -> bool:
+        return self._held_back
 
 
 def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
@@ -88,3 +92,19 @@ def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
         ctx.term()
     assert len(idle.ticks) >= 5 and set(idle.ticks) == {0.0}
     assert busy.ticks and all(t > 0.0 for t in busy.ticks)
+
+
+def test_idle_loop_looks_more_often_while_a_thread_is_held_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler_process, "IDLE_POLL_MS", 1000)
+    monkeypatch.setattr(scheduler_process, "ADAPTER_POLL_MS", 10)
+    ctx = zmq.Context()
+    puller = Puller(ctx, f"ipc://{tmp_path}/sched")
+    full, held = RecordingAdapter(), RecordingAdapter(held_back=True)
+    try:
+        for adapter in (full, held):
+            with pytest.raises(_Stop):
+                scheduler_process.event_loop(FakeScheduler([], [], [], 0.3), puller, adapter)
+    finally:
+        puller.close()
+        ctx.term()
+    assert len(full.ticks) <= 2 and len(held.ticks) >= 10, (len(full.ticks), len(held.ticks))
