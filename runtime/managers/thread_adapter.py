@@ -2,7 +2,7 @@
 
     adapter = ThreadAdapter(torch.get_num_threads())
     adapter.tick(step_s)    # after each scheduler step (it took step_s); looks at the load every INTERVAL_S
-    adapter.tick(0.0)       # while idle (the event loop, once per poll): may only give threads back
+    adapter.idle()          # while idle, and as a burst begins: may only give a dropped thread back
 
 OpenMP threads wait for each other at the end of every parallel region, spinning first. When another
 process holds one of the cores, the thread it displaced finishes each region late and the others spin
@@ -24,11 +24,13 @@ side-by-side benchmark alternates short greedy requests between two servers befo
 each of this server's looks then spanned the other server's request (57% of the cores), the thread
 went after two of them, and the first timed run prefilled its first wave on one thread (3 s on a
 Zen 5 EPYC) before a quiet interval brought it back. A mostly idle interval may still restore the
-threads (the others were quiet) and restarts the count of busy ones. The idle scheduler ticks too
-(step_s 0, once per poll, every 0.25 s while a thread is dropped), so such an interval ends while it waits: otherwise the first look after a
-drop came after the next burst's first step. On a Zen 4 EPYC a thread dropped while the other server
-of a side-by-side benchmark really spun beside this one's greedy check came back only after the first
-timed run's first 2,048-token prefill, which ran on one thread (2 s instead of 1.2).
+threads (the others were quiet) and restarts the count of busy ones. With a thread dropped, the idle
+scheduler looks too (`idle()`: every 0.25 s, and once more right before a burst's first step, over
+0.1 s or more), and only to give it back: otherwise the first look after a drop came after the next
+burst's first step. On a Zen 4 EPYC a thread dropped while the other server of a side-by-side
+benchmark really spun beside this one's greedy check came back only after the first timed run's first
+2,048-token prefill, which ran on one thread (2 s instead of 1.2): the benchmark starts a run 0.25 s
+after the machine goes quiet, less than one INTERVAL_S.
 
 "Other processes" are those outside this server: the CPU time of the scheduler's parent (the HTTP
 and tokenizer process) and of its children (the detokenizer, other ranks) counts as the scheduler's
@@ -55,6 +57,7 @@ MIN_STEPPING = 0.8         # share of an interval spent in steps for its load to
 DROP_SHARE = 0.25          # others' share of all cores (a half-busy core out of 2) that costs a thread
 RESTORE_SHARE = 0.10
 DROP_AFTER_S = 1.0         # seconds of consecutive busy stepping intervals before a thread is dropped
+IDLE_INTERVAL_S = 0.1      # the shortest interval an idle look (restore only) judges
 
 
 class ThreadAdapter:
@@ -75,6 +78,15 @@ class ThreadAdapter:
         self._stepped += step_s
         if self.max_threads < 2 or self._clock() - self._last[0] < INTERVAL_S:
             return
+        self._look(may_drop=True)
+
+    def idle(self) -> None:
+        """While the scheduler waits for requests, and once more as a burst begins: with a thread
+        dropped, a look over IDLE_INTERVAL_S or more that may give it back (and never takes one)."""
+        if self.held_back() and self._clock() - self._last[0] >= IDLE_INTERVAL_S:
+            self._look(may_drop=False)
+
+    def _look(self, may_drop: bool) -> None:
         now = self._sample()
         share = neighbour_load.others_share(self._last, now)
         wall = now[0] - self._last[0]
@@ -83,7 +95,7 @@ class ThreadAdapter:
         if share is None:
             self._busy_s = 0.0
             return
-        self._busy_s = self._busy_s + wall if share >= DROP_SHARE and stepping else 0.0
+        self._busy_s = self._busy_s + wall if share >= DROP_SHARE and stepping and may_drop else 0.0
         if self._busy_s >= DROP_AFTER_S and self.threads > 1:
             self._set(self.threads - 1, share, wall)
         elif share <= RESTORE_SHARE and self.threads < self.max_threads:

@@ -72,13 +72,16 @@ class RecordingAdapter:
     def tick(self, step_s: float) -> None:
         self.ticks.append(step_s)
 
+    def idle(self) -> None:
+        self.ticks.append(0.0)
+
     def held_back(self) -> bool:
         return self._held_back
 
 
 def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
-    """An idle server looks at the load too (tick(0.0) once per poll), so a thread dropped for a
-    neighbour comes back while it waits, not after the next burst's first step."""
+    """An idle server looks at the load too (idle() once per poll, and as a burst begins), so a thread
+    dropped for a neighbour comes back while it waits, not after the next burst's first step."""
     monkeypatch.setattr(scheduler_process, "IDLE_POLL_MS", 10)
     ctx = zmq.Context()
     puller = Puller(ctx, f"ipc://{tmp_path}/sched")
@@ -91,7 +94,7 @@ def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
         puller.close()
         ctx.term()
     assert len(idle.ticks) >= 5 and set(idle.ticks) == {0.0}
-    assert busy.ticks and all(t > 0.0 for t in busy.ticks)
+    assert busy.ticks[0] == 0.0 and len(busy.ticks) > 2 and all(t > 0.0 for t in busy.ticks[1:])
 
 
 def test_idle_loop_looks_more_often_while_a_thread_is_held_back(tmp_path, monkeypatch):

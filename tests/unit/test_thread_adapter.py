@@ -88,28 +88,35 @@ def test_a_neighbour_busy_only_while_this_server_waits_costs_no_thread(monkeypat
         assert calls == want, (step_s, calls)
 
 
-def test_idle_ticks_give_a_dropped_thread_back_and_never_take_one(monkeypatch) -> None:
-    """The idle event loop ticks with step_s 0: a quiet interval restores the threads before the next
-    burst arrives (its first prefill used to run on one thread); a busy one, however long, drops none."""
+def test_idle_looks_give_a_dropped_thread_back_and_never_take_one(monkeypatch) -> None:
+    """idle() (the waiting event loop, and the start of a burst): with a thread dropped, a quiet
+    interval of IDLE_INTERVAL_S or more restores it before the next burst's first step (which used to
+    run on one thread); a busy one, however long, drops nothing; at full threads it reads no load."""
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     samples = [
         (0.0, 0.0, (0.0, 2)),
         (0.6, 0.6, (1.8, 2)),       # stepping, others 0.6 of 1.2 = 50%
         (1.2, 1.2, (3.6, 2)),       # again (DROP_AFTER_S in a row): 2 -> 1
+        (1.25, 1.2, (3.7, 2)),      # idle, under IDLE_INTERVAL_S: not looked at
         (2.2, 1.2, (5.4, 2)),       # idle, the neighbour still spins (90%): no change
-        (4.2, 1.2, (8.4, 2)),       # idle and busier still: an idle interval never drops a thread
-        (5.2, 1.2, (8.45, 2)),      # idle and quiet (2.5%): back to 2 before any step
+        (4.2, 1.2, (8.4, 2)),       # idle and busy: an idle look never drops a thread
+        (4.35, 1.2, (8.405, 2)),    # 0.15 s idle and quiet (2%): back to 2 before any step
+        (9.0, 1.2, (9.0, 2)),       # at full threads: no look
     ]
-    adapter = adapter_over(2, samples)
+    script = Script(samples)
+    adapter = adapter_over(2, samples, script)
     adapter.tick(0.6)
     adapter.tick(0.6)
     assert calls == [1]
-    adapter.tick(0.0)
-    adapter.tick(0.0)
-    assert calls == [1] and adapter.threads == 1
-    adapter.tick(0.0)
+    adapter.idle()
+    adapter.idle()
+    adapter.idle()
+    assert calls == [1] and adapter.threads == 1 and script.looks == 5
+    adapter.idle()
     assert calls == [1, 2] and adapter.threads == 2
+    adapter.idle()
+    assert script.looks == 6
 
 
 def test_one_long_busy_step_is_enough(monkeypatch) -> None:
