@@ -76,9 +76,9 @@ ADAPTER_POLL_MS = 250        # how often an idle scheduler whose adapter dropped
 
 def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapter | None = None) -> None:
     """Receives, steps, repeats; `adapter` (CPU) adapts the thread count to the neighbours' load."""
-    idle = True
     while True:
-        if not scheduler.has_work():        # while a thread is held back, look at the load more often
+        idle = not scheduler.has_work()
+        if idle:                            # while a thread is held back, look at the load more often
             wait_ms = IDLE_POLL_MS if adapter is None or not adapter.held_back() else ADAPTER_POLL_MS
         elif scheduler.waiting or scheduler.running:
             wait_ms = 0
@@ -90,7 +90,6 @@ def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapt
         if scheduler.has_work():
             if idle and adapter is not None:
                 adapter.idle()              # a burst begins: a quiet moment just now gives a dropped thread back
-            idle = False
             start = time.perf_counter()
             scheduler.step()
             if adapter is not None:
@@ -98,7 +97,6 @@ def event_loop(scheduler: Scheduler, puller: Puller | None, adapter: ThreadAdapt
             if not scheduler.has_work():    # just went idle: final stats now, and a leak check
                 scheduler.send(scheduler.stats())
                 scheduler.check_idle_invariants()
-                idle = True
         elif adapter is not None:           # idle: a quiet look gives a dropped thread back before the next burst
             adapter.idle()
 

@@ -79,6 +79,21 @@ class RecordingAdapter:
         return self._held_back
 
 
+class BurstScheduler(FakeScheduler):
+    """Idle at the loop's first look; a request arrives while it waits and stays."""
+
+    def __init__(self, seconds: float):
+        super().__init__([], [], [], seconds)
+        self._looked = False
+
+    def has_work(self) -> bool:
+        if not self._looked:
+            self._looked = True
+            self.waiting = ["req"]
+            return False
+        return super().has_work()
+
+
 def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
     """An idle server looks at the load too (idle() once per poll, and as a burst begins), so a thread
     dropped for a neighbour comes back while it waits, not after the next burst's first step."""
@@ -87,9 +102,9 @@ def test_idle_loop_ticks_the_thread_adapter(tmp_path, monkeypatch):
     puller = Puller(ctx, f"ipc://{tmp_path}/sched")
     idle, busy = RecordingAdapter(), RecordingAdapter()
     try:
-        for waiting, seconds, adapter in (([], 0.2, idle), (["req"], 0.05, busy)):
+        for make, adapter in ((lambda: FakeScheduler([], [], [], 0.2), idle), (lambda: BurstScheduler(0.05), busy)):
             with pytest.raises(_Stop):
-                scheduler_process.event_loop(FakeScheduler(waiting, [], [], seconds), puller, adapter)
+                scheduler_process.event_loop(make(), puller, adapter)
     finally:
         puller.close()
         ctx.term()
