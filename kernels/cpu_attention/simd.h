@@ -49,6 +49,8 @@ inline fvec vscale2(fvec a, fvec n) { return _mm512_scalef_ps(a.v, n.v); }
 inline fvec zero_below(fvec r, fvec x, fvec t) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, t.v, _CMP_GE_OQ), r.v);
 }
+// bit i set where a[i] == b[i] (ordered: NaN is equal to nothing)
+inline unsigned eq_mask(fvec a, fvec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
 #define RADIXLM_ISA_NAME "avx512"
 
 #elif defined(RADIXLM_AVX2)
@@ -98,6 +100,7 @@ inline fvec vscale2(fvec a, fvec n) {
   return _mm256_mul_ps(a.v, _mm256_castsi256_ps(e));
 }
 inline fvec zero_below(fvec r, fvec x, fvec t) { return _mm256_and_ps(r.v, _mm256_cmp_ps(x.v, t.v, _CMP_GE_OQ)); }
+inline unsigned eq_mask(fvec a, fvec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)); }
 #define RADIXLM_ISA_NAME "avx2"
 
 #else

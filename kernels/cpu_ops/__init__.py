@@ -11,6 +11,8 @@ fp32, bf16 or fp16; activations [n, d] or [n, m, d] with a contiguous last dim, 
                                                      in place, neox style: x = x*cos + rotate_half(x)*sin,
                                                      cos/sin = cache[positions] (fp32 [max_pos, rotary_dim/2]) cast to T;
                                                      the first rotary_dim lanes of each head rotate (partial rotary)
+    argmax_rows(out, x)                              out (int64 [n]) = torch.max(x, dim=-1).indices for x [n, d]:
+                                                     the first index of the max, of the first NaN in a row with one
 
 Rounding follows the eager torch code (and HF transformers) exactly: the residual sum is rounded to T
 once; RMSNorm rounds after normalizing and after the weight multiply; silu(gate) is rounded before
@@ -115,5 +117,9 @@ def _register_custom_ops(mod) -> None:
                              head_dim: int) -> None:
         _registered[0].rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim)
 
-    for op in (cpu_rms_norm, cpu_fused_add_rms_norm, cpu_silu_and_mul, cpu_rotary_embedding):
+    @torch.library.custom_op("radixlm::cpu_argmax_rows", mutates_args=("out",), device_types="cpu")
+    def cpu_argmax_rows(out: Tensor, x: Tensor) -> None:
+        _registered[0].argmax_rows(out, x)
+
+    for op in (cpu_rms_norm, cpu_fused_add_rms_norm, cpu_silu_and_mul, cpu_rotary_embedding, cpu_argmax_rows):
         op.register_fake(lambda *args: None)

@@ -182,6 +182,43 @@ def test_compiled_layers_keep_ops_in_graph():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def argmax_cases(dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Rows of many ties, NaNs, infinities, a vector-width tail and a row stride."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for d in (1, 7, 16, 17, 33, 100, 49152):
+        ties = torch.randint(-3, 3, (5, d), generator=g).to(dtype)
+        r = torch.rand(5, d, generator=g)
+        odd = ties.clone()
+        odd[r < 0.05] = float("nan")
+        odd[(r > 0.5) & (r < 0.55)] = float("inf")
+        odd[(r > 0.6) & (r < 0.65)] = float("-inf")
+        odd[3] = float("-inf")
+        strided = torch.randn(5, d + 9, generator=g).to(dtype)[:, 4:4 + d]
+        cases += [ties, odd, strided, torch.randn(64, d, generator=g).to(dtype)]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_max(dtype):
+    """The first index of the max, the first NaN's in a row with one: torch.max(dim).indices."""
+    for x in argmax_cases(dtype, seed=5):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        ops.argmax_rows(out, x)
+        assert torch.equal(out, x.max(dim=-1).indices), (x.shape, x.stride())
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        ops.argmax_rows(torch.empty(2, dtype=torch.int32), torch.zeros(2, 4))
+
+
+def test_greedy_sampler_uses_the_kernel(monkeypatch):
+    from radixlm.runtime.layers.sampler import argmax_rows
+    seen = []
+    real = cpu_ops.call
+    monkeypatch.setattr(cpu_ops, "call", lambda name, *args: (seen.append(name), real(name, *args)))
+    x = torch.randn(3, 1000)
+    assert torch.equal(argmax_rows(x), x.max(dim=-1).indices) and seen == ["argmax_rows"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="no AVX2")
 def test_avx2_build_matches_torch():
@@ -210,3 +247,7 @@ def test_avx2_build_matches_torch():
         want = rope.forward_native(pos, q.clone(), k.clone())
         avx2.rotary_embedding(pos, q, k, rope.cos_cache, rope.sin_cache, 80)
         assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+        for x in argmax_cases(dtype, seed=6):
+            out = torch.empty(x.shape[0], dtype=torch.int64)
+            avx2.argmax_rows(out, x)
+            assert torch.equal(out, x.max(dim=-1).indices)

@@ -404,7 +404,7 @@ def test_shape_errors() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [5, 100, 49152])
 def test_argmax_rows_is_torch_argmax(dtype, vocab):
-    """argmax_rows (max(dim), the fast one on CPU) picks what torch.argmax picks: the first index on
+    """argmax_rows (C++ on CPU, else max(dim)) picks what torch.argmax picks: the first index on
     ties, a NaN's index, index 0 for a row of -inf."""
     gen = torch.Generator().manual_seed(vocab)
     ties = torch.randint(0, 3, (8, vocab), generator=gen).to(dtype)           # many equal maxima
