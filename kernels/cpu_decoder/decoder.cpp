@@ -258,7 +258,7 @@ class Decoder {
     TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == bs &&
                     seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == bs,
                 "cpu_decoder: rows and seq_lens must be contiguous int64 [bs]");
-    return run_layers(hidden, positions, out_cache_loc, [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
+    return run_layers(hidden, positions, out_cache_loc, at::Tensor(), [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
       radixlm_attn::decode(attn, q, L.k_cache, L.v_cache, req_to_token, rows, seq_lens, scaling_, 0);
     });
   }
@@ -269,8 +269,11 @@ class Decoder {
   // AVX512/AVX2 extend, 2 the brgemm extend; q0, q1: its token rows; rows, seq_lens, prefix_lens;
   // qo_indptr from 0, or None for decode), the runs covering [0, n) in order. Per layer each run's
   // attention is the call the backend makes for it; everything else is forward()'s sequence.
+  // output_rows (int64 [m], or None for all n): the rows returned, in this order; the last layer's
+  // o_proj, norm and MLP run on them alone (ForwardBatch.output_rows).
   at::Tensor extend(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
-                    const at::Tensor& req_to_token, const std::vector<ExtendRun>& runs) {
+                    const at::Tensor& req_to_token, const std::vector<ExtendRun>& runs,
+                    const c10::optional<at::Tensor>& output_rows) {
     int64_t next = 0;
     for (const ExtendRun& r : runs) {
       TORCH_CHECK(r.q0 == next && r.q1 >= r.q0 && r.kernel >= 0 && r.kernel <= 2,
@@ -279,7 +282,16 @@ class Decoder {
       next = r.q1;
     }
     TORCH_CHECK(next == hidden.size(0), "cpu_decoder: the extend runs cover ", next, " of ", hidden.size(0), " tokens");
-    return run_layers(hidden, positions, out_cache_loc, [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
+    at::Tensor keep;
+    if (output_rows.has_value() && output_rows->defined()) {
+      keep = *output_rows;
+      TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1 && keep.device().is_cpu(),
+                  "cpu_decoder: output_rows must be int64 [m]");
+      if (keep.numel() > 0)
+        TORCH_CHECK(keep.min().item<int64_t>() >= 0 && keep.max().item<int64_t>() < next,
+                    "cpu_decoder: output_rows out of range");
+    }
+    return run_layers(hidden, positions, out_cache_loc, keep, [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
       for (const ExtendRun& r : runs) {
         at::Tensor o = attn.narrow(0, r.q0, r.q1 - r.q0);
         const at::Tensor qr = q.narrow(0, r.q0, r.q1 - r.q0);
@@ -297,10 +309,11 @@ class Decoder {
 
  private:
   // The layer loop of forward() and extend(); attend(attn, q, layer) fills attn [n, H, D] from
-  // q [n, H, D] over the layer's K/V caches (this token's K/V already written).
+  // q [n, H, D] over the layer's K/V caches (this token's K/V already written). With `keep` defined
+  // the last layer continues after attention with those rows only.
   template <typename Attend>
   at::Tensor run_layers(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
-                        Attend&& attend) {
+                        const at::Tensor& keep, Attend&& attend) {
     const int64_t bs = hidden.size(0);
     TORCH_CHECK(!layers_.empty(), "cpu_decoder: no layers added");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu_decoder: hidden must be contiguous [n, hidden]");
@@ -331,7 +344,11 @@ class Decoder {
       write_kv(L.v_cache, v, loc, bs);
       at::Tensor attn = at::empty({bs, H_, D_}, h.options());
       attend(attn, q.view({bs, H_, D_}), L);
-      h = L.o(attn.view({bs, q_size}));
+      if (keep.defined() && i + 1 == layers_.size()) {
+        attn = attn.index_select(0, keep);
+        residual = residual.index_select(0, keep);
+      }
+      h = L.o(attn.view({attn.size(0), q_size}));
       radixlm_ops::fused_add_rms_norm(h, residual, L.post_norm, eps_);
       h = L.moe ? (*L.moe)(h) : L.down(silu_mlp_half(L.gate_up, h));
     }
@@ -397,8 +414,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "shared gate weight|None)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
-      .def("extend", &radixlm_decoder::Decoder::extend, py::call_guard<py::gil_scoped_release>(),
-           "extend(hidden [n, hidden], positions, out_cache_loc, req_to_token, runs) -> final-normed hidden [n]; "
+      .def("extend", &radixlm_decoder::Decoder::extend, py::arg("hidden"), py::arg("positions"),
+           py::arg("out_cache_loc"), py::arg("req_to_token"), py::arg("runs"), py::arg("output_rows") = py::none(),
+           py::call_guard<py::gil_scoped_release>(),
+           "extend(hidden [n, hidden], positions, out_cache_loc, req_to_token, runs, output_rows=None) -> "
+           "final-normed hidden [n] (or [m]: the rows output_rows, int64 [m], whose last layer's o_proj and MLP "
+           "run alone); "
            "runs: [ExtendRun(kernel 0 decode | 1 extend | 2 extend_brgemm, q0, q1, rows, seq_lens, prefix_lens, "
            "qo_indptr|None)] covering the tokens in order")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);

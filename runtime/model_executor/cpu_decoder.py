@@ -103,8 +103,8 @@ class CpuDecoder:
                                  fb.req_to_token_pool.req_to_token, run.req_pool_indices, run.seq_lens)
 
     def extend(self, fb: ForwardBatch) -> torch.Tensor:
-        """hidden [num_tokens, hidden] for a prefill, extend or mixed pass; writes every layer's K/V at
-        fb.out_cache_loc. Each run of the backend's kernel metadata gets the kernel the Python forward
+        """hidden [num_tokens, hidden] (the rows fb.output_rows only, when set) for a prefill, extend or
+        mixed pass; writes every layer's K/V at fb.out_cache_loc. Each run of the backend's kernel metadata gets the kernel the Python forward
         would give it (decided here, before the first layer, as the backend decides at its first)."""
         runs = []
         for run in fb.attn_metadata.runs:
@@ -114,7 +114,7 @@ class CpuDecoder:
             runs.append(self.mod.ExtendRun(EXTEND_KERNELS[run.kernel], run.q0, run.q1, run.req_pool_indices,
                                            run.seq_lens, run.prefix_lens, run.qo_indptr))
         return self.impl.extend(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
-                                fb.req_to_token_pool.req_to_token, runs)
+                                fb.req_to_token_pool.req_to_token, runs, fb.output_rows)
 
 
 EXTEND_KERNELS = {"decode": 0, "simd": 1, "brgemm": 2}   # decoder.cpp's ExtendRun.kernel

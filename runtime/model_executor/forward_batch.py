@@ -48,6 +48,11 @@ class ForwardBatch:
     kv_cache: KVCache
     attn_backend: object = None      # the model runner's AttentionBackend
     attn_metadata: object = None     # set by the attention backend's init_forward_metadata
+    # [m] int64 or None: the token rows whose final hidden states the caller reads (the model runner
+    # sets them for a prefill / extend pass: each request's last row and any logprob rows). The model
+    # then returns those rows only, in this order, and runs the last layer's o_proj and MLP on them
+    # alone: nothing else reads the others (their K/V is written before). None: every row.
+    output_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -222,7 +222,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, extra_logit_rows: list[int] | None = None) -> LogitsOutput:
         """Runs the model; returns logits at each request's last new token, plus at `extra_logit_rows`
-        (flat token rows of this batch, for input logprobs)."""
+        (flat token rows of this batch, for input logprobs). A prefill / extend pass computes the final
+        hidden states of those rows only (ForwardBatch.output_rows)."""
+        extra = extra_logit_rows or []
+        rows = None
+        if not fb.forward_mode.is_decode or extra:
+            rows = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1   # each request's last
+            if extra:
+                rows = torch.cat([rows, torch.tensor(extra, device=self.device)])
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             hidden = self.graph_runner(fb)                             # [bs, hidden]; plans itself
         elif fb.forward_mode.is_decode:
@@ -230,18 +237,16 @@ class ModelRunner:
             hidden = self.decode_forward(fb)                           # [bs, hidden]
         else:
             self.attn_backend.init_forward_metadata(fb)
-            hidden = self.extend_forward(fb)                           # [num_tokens, hidden]
-        extra = extra_logit_rows or []
-        if fb.forward_mode.is_decode and not extra:                    # one row per request already
-            return LogitsOutput(self.model.compute_logits(hidden).float(), None)
-        last_rows = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
-        if extra:
-            rows = torch.cat([last_rows, torch.tensor(extra, device=hidden.device)])
-        else:
-            rows = last_rows
-        logits = self.model.compute_logits(hidden[rows]).float()
+            fb.output_rows = rows
+            hidden = self.extend_forward(fb)                           # [len(rows), hidden]
+            rows = None
+        if rows is not None:
+            hidden = hidden[rows]
+        logits = self.model.compute_logits(hidden).float()
+        if not extra:
+            return LogitsOutput(logits, None)
         bs = fb.batch_size
-        return LogitsOutput(logits[:bs], logits[bs:] if extra else None)
+        return LogitsOutput(logits[:bs], logits[bs:])
 
 
 def _available_ram_bytes() -> int:

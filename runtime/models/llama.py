@@ -114,8 +114,11 @@ class LlamaAttention(nn.Module):
                                    sliding_window_size=config.sliding_window_size(layer_id),
                                    logit_cap=config.attn_logit_softcapping or 0.0)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        # hidden: [n, hidden]; q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden] -> [n, hidden], or [len(keep), hidden]: o_proj of the rows `keep` only
+        (every row's K/V is still written and attended over)."""
+        # q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] (this rank's heads)
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
         if self.qk_norm_full:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
@@ -123,7 +126,8 @@ class LlamaAttention(nn.Module):
             q = self._norm_per_head(q, self.q_norm)
             k = self._norm_per_head(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fb))
+        out = self.attn(q, k, v, fb)
+        return self.o_proj(out if keep is None else out[keep])
 
     def _norm_per_head(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape)
@@ -145,13 +149,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm() if self.post_norms else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it): the next layer adds them. May overwrite
-        `hidden` and `residual` in place (the fused norm)."""
+                residual: torch.Tensor | None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it): the next layer adds them; with `keep`
+        (the last layer, ForwardBatch.output_rows) for those rows only. May overwrite `hidden` and
+        `residual` in place (the fused norm)."""
         if self.post_norms:
             x = hidden if residual is None else hidden + residual   # the residual stream
             h = x if self.input_layernorm is None else self.input_layernorm(x)
-            x = x + self.post_attention_layernorm(self.self_attn(positions, h, fb))
+            x = (x if keep is None else x[keep]) + self.post_attention_layernorm(self.self_attn(positions, h, fb, keep))
             h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
             return self.post_feedforward_layernorm(self.mlp(h)), x
         if residual is None:                       # first layer: the residual stream is the embedding
@@ -159,7 +164,9 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb)
+        hidden = self.self_attn(positions, hidden, fb, keep)
+        if keep is not None:
+            residual = residual[keep]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -211,15 +218,17 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, fb, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, fb, residual, fb.output_rows if i == last else None)
         if residual is None:                       # no layers
-            return self.norm(hidden)
+            return self.norm(hidden if fb.output_rows is None else hidden[fb.output_rows])
         return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward(input_ids [n], positions [n], forward_batch) -> hidden [n, hidden]` (final-normed);
+    """`forward(input_ids [n], positions [n], forward_batch) -> hidden [n, hidden]` (final-normed; the
+    rows `forward_batch.output_rows` only when it is set);
     `compute_logits(hidden [m, hidden]) -> [m, vocab] float32`."""
 
     @classmethod

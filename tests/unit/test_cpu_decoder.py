@@ -137,7 +137,8 @@ def assert_extend_matches_python_forward(runner, kv, reqs, ids) -> None:
     """One mixed pass over the prefilled `reqs` (the last use of `kv`): a decode, a short extend
     and a long one over their cached prefixes, and a new 40-token prompt, so the attention backend cuts
     it into decode, short and long runs. `extend` gives the Python forward's hidden states bit for bit
-    and writes the same K/V, with the extend kernel chosen as in serving and forced to each kernel."""
+    and writes the same K/V, with the extend kernel chosen as in serving and forced to each kernel; and
+    so with ForwardBatch.output_rows set (the rows a prefill returns)."""
     import os
 
     from radixlm.runtime.layers.attention import extend_select
@@ -180,6 +181,18 @@ def assert_extend_matches_python_forward(runner, kv, reqs, ids) -> None:
                 for layer, (k, v) in enumerate(cache):
                     assert torch.equal(k[loc], want_kv[layer][0]), f"K of layer {layer} ({mode})"
                     assert torch.equal(v[loc], want_kv[layer][1]), f"V of layer {layer} ({mode})"
+                # Only some rows out (each request's last and one prompt row, out of order): both run the
+                # last layer's o_proj and MLP on those rows alone, bit for bit alike, and give the rows of
+                # the full pass (a linear over fewer rows may round differently: within bf16's step).
+                ends = torch.tensor([len(n) for n in new]).cumsum(0) - 1
+                fb.output_rows = torch.cat([ends, torch.tensor([int(ends[-1]) - 7, 0])])
+                runner.attn_backend.init_forward_metadata(fb)
+                want_rows = runner.model(fb.input_ids, fb.positions, fb)
+                runner.attn_backend.init_forward_metadata(fb)
+                got_rows = decoder.extend(fb)
+                assert got_rows.shape == (len(fb.output_rows), want.shape[1]) and torch.equal(got_rows, want_rows)
+                tol = 1e-4 if got.dtype == torch.float32 else 1.6e-2      # exact with the AVX512 gemm
+                torch.testing.assert_close(got_rows, want[fb.output_rows], rtol=tol, atol=tol)
                 if mode == "auto":
                     assert kinds[:2] == ["decode", "simd"] and len(kinds) == 3, kinds
     finally:
