@@ -23,11 +23,11 @@ constexpr int64_t kHalfRows = 96;
 #endif
 
 // Rows [0, rows) of x (at most kMaxTileRows) against gate block wg and up block wu into gate / up
-// ([rows][kBlock] bf16 each).
+// ([rows][kBlock] bf16 each); pg / pu: the slices of the next gate / up block to fetch meanwhile.
 inline void gate_up_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* wg, const bf16* wu, int64_t K2,
-                         bf16* gate, bf16* up) {
-  block_rows(rows, x, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock);
-  block_rows(rows, x, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
+                         bf16* gate, bf16* up, Prefetch pg = {}, Prefetch pu = {}) {
+  block_rows(rows, x, ldx, wg, K2, 0, kBlock, nullptr, gate, kBlock, pg);
+  block_rows(rows, x, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock, pu);
 }
 
 // x [M, K] bf16 (last dim contiguous), packed from pack() of the [2 * I, K] gate_up weight -> [M, I].
@@ -51,7 +51,11 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
       block_range(mr, mr, xp + m * ldx, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
 #else
       mr = next_tile_rows(m1 - m);
-      gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up);
+      const int64_t tiles = chunk_tiles(m1);
+      const bool more = b + 1 < blocks;
+      gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up,
+                   next_block_slice(more ? wg + K2 * kBlock * 2 : nullptr, K2, tiles, m1 - m),
+                   next_block_slice(more ? wu + K2 * kBlock * 2 : nullptr, K2, tiles, m1 - m));
 #endif
       for (int64_t r = 0; r < mr; ++r)
         radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);
