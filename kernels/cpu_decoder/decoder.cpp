@@ -282,15 +282,7 @@ class Decoder {
       next = r.q1;
     }
     TORCH_CHECK(next == hidden.size(0), "cpu_decoder: the extend runs cover ", next, " of ", hidden.size(0), " tokens");
-    at::Tensor keep;
-    if (output_rows.has_value() && output_rows->defined()) {
-      keep = *output_rows;
-      TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1 && keep.device().is_cpu(),
-                  "cpu_decoder: output_rows must be int64 [m]");
-      if (keep.numel() > 0)
-        TORCH_CHECK(keep.min().item<int64_t>() >= 0 && keep.max().item<int64_t>() < next,
-                    "cpu_decoder: output_rows out of range");
-    }
+    const at::Tensor keep = output_rows.has_value() ? *output_rows : at::Tensor();   // index_select checks it
     return run_layers(hidden, positions, out_cache_loc, keep, [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
       for (const ExtendRun& r : runs) {
         at::Tensor o = attn.narrow(0, r.q0, r.q1 - r.q0);

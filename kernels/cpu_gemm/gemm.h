@@ -366,15 +366,12 @@ inline int64_t take_units(int64_t left, int64_t tiles) {
 // out = [M, n_out] bf16; rows of x in chunks of kRowChunk, and per chunk every (block, row tile) pair
 // once. The pairs of a chunk go block-major and threads take contiguous ranges of them at run time
 // (parallel.h), so a thread streams whole blocks except at the ends of its ranges;
-// body(xp, ldx, wp, op, b, m, m_end, m1) writes block b for the tiles of rows [m, m_end) of the chunk
-// that ends at row m1 (next_tile_rows(m1 - m) rows at a time; xp: x with row stride ldx, wp: the
-// packed weight, op: out). Splitting blocks alone left threads uneven whenever the block count is not
+// body(xp, ldx, wp, op, b, m, m_end, m1, tiles) writes block b for the tiles of rows [m, m_end) of the
+// chunk that ends at row m1 and has `tiles` row tiles (next_tile_rows(m1 - m) rows at a time; xp: x with
+// row stride ldx, wp: the packed weight, op: out). Splitting blocks alone left threads uneven whenever the block count is not
 // a multiple of the thread count (SmolLM2's o_proj and down_proj have 9 blocks: 10% of their time
 // spent waiting at 2 threads), and one fixed range per thread left the fast thread waiting whenever a
 // neighbour slowed the other (parallel.h).
-// The row tiles of the chunk that ends at row m1 (run_row_chunks' chunks start at multiples of kRowChunk).
-inline int64_t chunk_tiles(int64_t m1) { return num_row_tiles(m1 - (m1 - 1) / kRowChunk * kRowChunk); }
-
 template <typename Body>
 inline at::Tensor run_row_chunks(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, int64_t blocks,
                                  Body&& body) {
@@ -388,7 +385,7 @@ inline at::Tensor run_row_chunks(const at::Tensor& x, const at::Tensor& packed, 
     auto run = [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1;) {
         const int64_t b = u / tiles, t0 = u % tiles, t1 = std::min(tiles, t0 + (u1 - u));
-        body(xp, ldx, wp, op, b, m0 + 4 * t0, t1 == tiles ? m1 : m0 + 4 * t1, m1);
+        body(xp, ldx, wp, op, b, m0 + 4 * t0, t1 == tiles ? m1 : m0 + 4 * t1, m1, tiles);
         u += t1 - t0;
       }
     };
@@ -413,10 +410,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
     bp = bias->data_ptr<bf16>();
   }
   return run_row_chunks(x, packed, N, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t b,
-                                                  int64_t m, int64_t m_end, int64_t m1) {
+                                                  int64_t m, int64_t m_end, int64_t m1, int64_t tiles) {
     const bf16* next = b + 1 < blocks ? wp + (b + 1) * K2 * kBlock * 2 : nullptr;
     block_range(m_end - m, m1 - m, xp + m * ldx, ldx, wp + b * K2 * kBlock * 2, K2, b * kBlock, N, bp, op + m * N, N,
-                next, chunk_tiles(m1));
+                next, tiles);
   });
 }
 

@@ -40,9 +40,12 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
               "gemm linear_silu_mul: the packed gate_up weight does not match x's ", K, " features and 2 x ", I,
               " outputs (I a multiple of ", kBlock, ")");
   return run_row_chunks(x, packed, I, blocks, [&](const bf16* xp, int64_t ldx, const bf16* wp, bf16* op, int64_t b,
-                                                  int64_t m, int64_t m_end, int64_t m1) {
+                                                  int64_t m, int64_t m_end, int64_t m1, int64_t tiles) {
     const bf16* wg = wp + b * K2 * kBlock * 2;
     const bf16* wu = wp + (b + blocks) * K2 * kBlock * 2;
+    const bool more = b + 1 < blocks;   // the next gate / up blocks, fetched meanwhile (next_block_slice)
+    const bf16* next_g = more ? wg + K2 * kBlock * 2 : nullptr;
+    const bf16* next_u = more ? wu + K2 * kBlock * 2 : nullptr;
     bf16 gate[kHalfRows * kBlock], up[kHalfRows * kBlock];
     for (int64_t mr; m < m_end; m += mr) {
 #if !defined(__AVX512BF16__)   // AVX2: block_range widens each half once per pass (from kWidenRows rows)
@@ -51,11 +54,8 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
       block_range(mr, mr, xp + m * ldx, ldx, wu, K2, 0, kBlock, nullptr, up, kBlock);
 #else
       mr = next_tile_rows(m1 - m);
-      const int64_t tiles = chunk_tiles(m1);
-      const bool more = b + 1 < blocks;
-      gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up,
-                   next_block_slice(more ? wg + K2 * kBlock * 2 : nullptr, K2, tiles, m1 - m),
-                   next_block_slice(more ? wu + K2 * kBlock * 2 : nullptr, K2, tiles, m1 - m));
+      gate_up_tile(mr, xp + m * ldx, ldx, wg, wu, K2, gate, up, next_block_slice(next_g, K2, tiles, m1 - m),
+                   next_block_slice(next_u, K2, tiles, m1 - m));
 #endif
       for (int64_t r = 0; r < mr; ++r)
         radixlm_ops::silu_and_mul_row(op + (m + r) * I + b * kBlock, gate + r * kBlock, up + r * kBlock, kBlock);

@@ -104,8 +104,9 @@ class CpuDecoder:
 
     def extend(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [num_tokens, hidden] (the rows fb.output_rows only, when set) for a prefill, extend or
-        mixed pass; writes every layer's K/V at fb.out_cache_loc. Each run of the backend's kernel metadata gets the kernel the Python forward
-        would give it (decided here, before the first layer, as the backend decides at its first)."""
+        mixed pass; writes every layer's K/V at fb.out_cache_loc. Each run of the backend's kernel
+        metadata gets the kernel the Python forward would give it (decided here, before the first
+        layer, as the backend decides at its first)."""
         runs = []
         for run in fb.attn_metadata.runs:
             if run.kernel is None:

@@ -225,11 +225,10 @@ class ModelRunner:
         (flat token rows of this batch, for input logprobs). A prefill / extend pass computes the final
         hidden states of those rows only (ForwardBatch.output_rows)."""
         extra = extra_logit_rows or []
-        rows = None
+        rows = None                                                    # decode: one row per request already
         if not fb.forward_mode.is_decode or extra:
-            rows = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1   # each request's last
-            if extra:
-                rows = torch.cat([rows, torch.tensor(extra, device=self.device)])
+            rows = torch.tensor(fb.extend_lens_cpu + extra, device=self.device)
+            rows[:fb.batch_size] = rows[:fb.batch_size].cumsum(0) - 1  # each request's last, then `extra`
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             hidden = self.graph_runner(fb)                             # [bs, hidden]; plans itself
         elif fb.forward_mode.is_decode:
@@ -239,8 +238,7 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             fb.output_rows = rows
             hidden = self.extend_forward(fb)                           # [len(rows), hidden]
-            rows = None
-        if rows is not None:
+        if rows is not None and fb.output_rows is None:
             hidden = hidden[rows]
         logits = self.model.compute_logits(hidden).float()
         if not extra:
