@@ -11,6 +11,8 @@ disabled or cannot be built; callers then use the torch code. The module has:
     decode_num_splits(max_keys), isa()
     extend_brgemm_micro()   # what its products run on: "amx", "avx512_bf16" (dpbf16_gemm.h) or "gemm"
     force_extend_brgemm_micro(name)   # tests: "gemm" or the best one, until "auto"
+    decode_micro(head_dim)  # what bf16 decode multiplies with: "avx512_bf16" (decode_dpbf16.h) or "fma"
+    set_decode_dpbf16(allowed)        # tests, benchmarks: False sends bf16 decode to the fp32 loop
 
 Which extend kernel a bf16 layer runs is measured, not assumed: runtime/layers/attention/extend_select.py.
 
@@ -49,6 +51,7 @@ def load_cpu_attention(isa: str | None = None):
     """
     mod = load_extension("cpu_attention", "CPU attention kernels", isa, [_SRC_DIR / "paged_attention.cpp"],
                          [_SRC_DIR / "paged_attention.h", _SRC_DIR / "extend_brgemm.h", _SRC_DIR / "dpbf16_gemm.h",
+                          _SRC_DIR / "decode_dpbf16.h",
                           _SRC_DIR / "simd.h", _SRC_DIR.parent / "cpu_ops" / "parallel.h"])
     if mod is not None:
         _register_custom_ops(mod)

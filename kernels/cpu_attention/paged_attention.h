@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_dpbf16.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -262,12 +263,58 @@ struct Scratch {
 };
 
 // ----------------------------------------------------------------------------------- decode
+// decode_kernel's keys [j_begin, j_end) of request b on vdpbf16ps (decode_dpbf16.h): w.acc, w.m, w.l
+// as its fp32 loop leaves them. Only for bf16 K/V and q, head_dim a multiple of 64 (decode_uses_dpbf16).
+template <typename kv_t, int D>
+inline void decode_keys_dp(const Args& a, int64_t b, const int32_t* tok, int64_t j_begin, int64_t j_end, Scratch& w) {
+#if defined(RADIXLM_AVX512)
+  if constexpr (std::is_same_v<kv_t, bf16> && D % 64 == 0) {
+    decode_keys_dpbf16<D>(static_cast<const uint16_t*>(a.q) + b * a.q_s0, a.q_s1, static_cast<int>(a.H),
+                          static_cast<int>(a.G), a.scale, a.logit_cap, static_cast<const uint16_t*>(a.k),
+                          static_cast<const uint16_t*>(a.v), a.k_s0, a.k_s1, a.v_s0, a.v_s1, tok, j_begin, j_end,
+                          w.acc.data(), w.m.data(), w.l.data());
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "decode_keys_dp: bf16 K/V, head_dim a multiple of 64, AVX512 builds only");
+}
+
+// Whether decode_kernel<kv_t, D> runs its keys on vdpbf16ps for these arguments.
+template <typename kv_t, int D>
+inline bool decode_uses_dpbf16(const Args& a) {
+#if defined(RADIXLM_AVX512)
+  return std::is_same_v<kv_t, bf16> && a.q_bf16 && decode_dpbf16_usable(D);
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// Whether bf16 decode (bf16 q and K/V) runs on vdpbf16ps at this head_dim; set_decode_dpbf16(false)
+// makes it take the fp32 loop (tests, benchmarks).
+bool decode_dpbf16_enabled(int64_t head_dim) {
+#if defined(RADIXLM_AVX512)
+  return decode_dpbf16_usable(static_cast<int>(head_dim));
+#else
+  return false;
+#endif
+}
+
+void set_decode_dpbf16(bool allowed) {
+#if defined(RADIXLM_AVX512)
+  decode_dpbf16_allowed().store(allowed);
+#endif
+}
+
+namespace {
 template <typename kv_t, int D>
 void decode_kernel(const Args& a) {
   const auto* k = static_cast<const kv_t*>(a.k);
   const auto* v = static_cast<const kv_t*>(a.v);
   const int G = static_cast<int>(a.G);
   const int H = static_cast<int>(a.H);
+  const bool dp = decode_uses_dpbf16<kv_t, D>(a);
   // one task per (request, kv split), all kv heads inside: a slot's K/V rows for every kv head
   // are adjacent in memory, so each key block is read from DRAM once
   // requests differ in length: tasks taken at run time (parallel.h), not in one fixed range per thread
@@ -284,18 +331,22 @@ void decode_kernel(const Args& a) {
       const int32_t* tok = a.table + a.rows[b] * a.table_s0;
       const auto* qb = static_cast<const char*>(a.q);
       const int64_t qsz = a.q_bf16 ? 2 : 4;
-      for (int h = 0; h < H; ++h)
-        load_q(w.qf.data() + h * D, qb + (b * a.q_s0 + h * a.q_s1) * qsz, a.q_bf16, D, a.scale);
-      w.reset(H, D);
-      std::fill(w.lim.begin(), w.lim.end(), L - 1);
-      for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlk) {
-        const int n = static_cast<int>(std::min<int64_t>(kBlk, j_end - j0));
-        const int n_next = static_cast<int>(std::min<int64_t>(kBlk, std::max<int64_t>(0, j_end - j0 - kBlk)));
-        for (int64_t kvh = 0; kvh < a.KVH; ++kvh) {
-          const int64_t h0 = kvh * G;  // query heads [h0, h0 + G) read this kv head
-          attend_block<kv_t, D>(G, w.qf.data() + h0 * D, w.acc.data() + h0 * D, w.s.data() + h0 * kBlk,
-                                w.m.data() + h0, w.l.data() + h0, w.lim.data() + h0, nullptr, k, v, tok + j0, j0, n,
-                                a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == j_begin, a.logit_cap);
+      if (dp) {
+        decode_keys_dp<kv_t, D>(a, b, tok, j_begin, j_end, w);
+      } else {
+        for (int h = 0; h < H; ++h)
+          load_q(w.qf.data() + h * D, qb + (b * a.q_s0 + h * a.q_s1) * qsz, a.q_bf16, D, a.scale);
+        w.reset(H, D);
+        std::fill(w.lim.begin(), w.lim.end(), L - 1);
+        for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlk) {
+          const int n = static_cast<int>(std::min<int64_t>(kBlk, j_end - j0));
+          const int n_next = static_cast<int>(std::min<int64_t>(kBlk, std::max<int64_t>(0, j_end - j0 - kBlk)));
+          for (int64_t kvh = 0; kvh < a.KVH; ++kvh) {
+            const int64_t h0 = kvh * G;  // query heads [h0, h0 + G) read this kv head
+            attend_block<kv_t, D>(G, w.qf.data() + h0 * D, w.acc.data() + h0 * D, w.s.data() + h0 * kBlk,
+                                  w.m.data() + h0, w.l.data() + h0, w.lim.data() + h0, nullptr, k, v, tok + j0, j0,
+                                  n, a.k_s0, kvh * a.k_s1, a.v_s0, kvh * a.v_s1, n_next, j0 == j_begin, a.logit_cap);
+          }
         }
       }
       for (int h = 0; h < H; ++h) {

@@ -34,6 +34,7 @@ _KERNELS = Path(__file__).parent.parent
 _HEADERS = [_KERNELS / "cpu_ops" / "fused_ops.h", _KERNELS / "cpu_ops" / "parallel.h",
             _KERNELS / "cpu_attention" / "paged_attention.h",
             _KERNELS / "cpu_attention" / "extend_brgemm.h", _KERNELS / "cpu_attention" / "dpbf16_gemm.h",
+            _KERNELS / "cpu_attention" / "decode_dpbf16.h",
             _KERNELS / "cpu_attention" / "simd.h", _KERNELS / "cpu_gemm" / "gemm.h",
             _KERNELS / "cpu_gemm" / "gemm_silu.h", _KERNELS / "cpu_moe" / "moe.h", _KERNELS / "cpu_quant" / "quant.h",
             _KERNELS / "cpu_quant" / "kquant.h", _KERNELS / "cpu_quant" / "xquant.h"]

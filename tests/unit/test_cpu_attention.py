@@ -129,6 +129,33 @@ def test_decode_is_batch_invariant(dtype):
             assert torch.equal(out[rows.index(i)], together[i]), (i, rows)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (6, 2, 32)])
+def test_bf16_decode_on_dpbf16_where_the_cpu_has_it(heads, kv_heads, head_dim):
+    """bf16 decode multiplies on vdpbf16ps exactly where the CPU has AVX512-BF16 and head_dim is a
+    multiple of 64 (decode_dpbf16.h), else on the fp32 loop; both within bf16 rounding of exact math,
+    with soft-capping and with splits, and the two apart by no more than that."""
+    has = KERNELS.isa() == "avx512" and "avx512_bf16" in cpu_attention.cpu_flags() and head_dim % 64 == 0
+    assert KERNELS.decode_micro(head_dim) == ("avx512_bf16" if has else "fma")
+    lens = [(s - 1, s) for s in (1, 2, 63, 64, 65, 130, 700)]
+    fb, q = make_batch(lens, 1, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim + heads, mode=ForwardMode.DECODE)
+    args = (fb.kv_cache.k_buffer[0], fb.kv_cache.v_buffer[0], fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices, fb.seq_lens, head_dim ** -0.5)
+    for splits, cap in ((0, 0.0), (3, 0.0), (0, 4.0)):
+        layer = RadixAttention(0, heads, kv_heads, head_dim, head_dim ** -0.5, logit_cap=cap)
+        outs = []
+        try:
+            for allowed in (True, False):
+                KERNELS.set_decode_dpbf16(allowed)
+                assert KERNELS.decode_micro(head_dim) == ("avx512_bf16" if has and allowed else "fma")
+                out = torch.empty_like(q)
+                KERNELS.decode(out, q, *args, splits, -1, cap)
+                check(fb, q, layer, out)
+                outs.append(out.float())
+        finally:
+            KERNELS.set_decode_dpbf16(True)
+        torch.testing.assert_close(outs[0], outs[1], atol=1.6e-2, rtol=1.6e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_shared_prefix_rows(dtype, page_size):
@@ -225,7 +252,7 @@ def test_pick_isa_from_flags(monkeypatch):
 def test_avx2_build_matches_reference():
     """The AVX2 path, built separately (one extra compile), on decode with splits and on extend."""
     avx2 = cpu_attention.load_cpu_attention("avx2")
-    assert avx2 is not None and avx2.isa() == "avx2"
+    assert avx2 is not None and avx2.isa() == "avx2" and avx2.decode_micro(64) == "fma"
     backend = TorchNativeAttnBackend()
     backend.kernels = avx2
     for mode, lens in ((ForwardMode.DECODE, [(s - 1, s) for s in (1, 30, 700)]), (ForwardMode.EXTEND, EXTEND_LENS)):
