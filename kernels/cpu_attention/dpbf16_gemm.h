@@ -10,7 +10,7 @@
 // and B[2p + 1][j]. So one 64-byte load is the k-pairs of 16 columns, vdpbf16ps multiplies them
 // against a broadcast pair of one A row and adds both products into 16 fp32 sums: no horizontal
 // reduction. K even, N a multiple of 16, lda even. Register tile: MR rows x NV vectors of 16 columns
-// (6 x 4 = 24 sums, or 4 x 5 for the 80 columns of [V | 1] at head_dim 64), B's vectors loaded once
+// (6 x 4 = 24 sums, or 4 x 5 when 80 columns are left, as at head_dim 80), B's vectors loaded once
 // per k-pair and reused by the MR rows. Sums are fp32, in k-pair order.
 #pragma once
 
@@ -79,7 +79,7 @@ RADIXLM_TARGET_BF16 __attribute__((noinline)) void dpbf16_gemm(int M, int N, int
   const int K2 = K / 2;
   for (int n0 = 0; n0 < N;) {
     const int left = (N - n0) / 16;
-    if (left == 5) {   // [V | 1] at head_dim 64: 80 columns in one pass
+    if (left == 5) {   // 80 columns (head_dim 80) in one pass
       dpbf16_cols<4, 5>(M, K2, a, lda, b + n0, ldb, C + n0, ldc, add_C);
       n0 += 80;
       continue;

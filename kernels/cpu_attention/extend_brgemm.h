@@ -10,17 +10,17 @@
 //
 // One task, per key block [j0, j0 + n) of its visible keys (kKeys at a time, aligned to kKeys):
 //   kp  [D/2][kKeys][2]  bf16   K^T of the block, VNNI-packed (pairs of d adjacent); keys n.. zero
-//   vp  [npad/2][Dv][2]  bf16   [V | 1 0 .. 0] of the block, VNNI-packed (pairs of keys adjacent);
-//                               Dv = D + kOnes; column D is all ones, so o's column D sums p (the
-//                               softmax denominator l) in the same products; rows n.. zero
+//   vp  [npad/2][D][2]   bf16   V of the block, VNNI-packed (pairs of keys adjacent); rows n.. zero
 //   qs  [G*nr][D]    bf16       the G heads' query rows, copied once per task (row g*nr + r)
 //   s   [G*nr][kKeys] fp32      q.k from one brgemm
 //   p   [G*nr][kKeys] bf16      2^(c*s - m) under the mask, 0 past n and past each row's last
 //                               visible key (no exp there; online softmax in base 2, fp32)
-//   o   [G*nr][Dv]   fp32       o * 2^(m_old - m) + p.[V | 1] (one brgemm with add_C); out = o / o[:, D]
+//   o   [G*nr][Dv]   fp32       o * 2^(m_old - m) + p.V (one brgemm with add_C, columns 0..D-1); column D
+//                               holds the softmax denominator l, rescaled with the row and added to by
+//                               the softmax (the sum of the row's rounded p); Dv = D + 16; out = o / o[:, D]
 // npad: n rounded up to kKeyPad (the AMX tile depth for bf16). The products run on AMX tiles, on
 // vdpbf16ps (dpbf16_gemm.h, AVX512-BF16 without AMX: same packed layout) or, on neither, in brgemm's
-// plain gemm fallback, for which kp is K^T [D][kKeys] and vp is [V | 1] [npad][Dv]. A key block that
+// plain gemm fallback, for which kp is K^T [D][kKeys] and vp is V [npad][D]. A key block that
 // several tasks read (a request with more than one query block, or a prefix whose slots several
 // requests share) is packed once into a shared arena by whichever task needs it first
 // (SharedBlocks); the others are packed by their task.
@@ -49,7 +49,7 @@ namespace {
 constexpr int kRows = 64;     // query rows per task (per head)
 constexpr int kKeys = 128;    // keys per block (a multiple of kKeyPad and of every fvec::N)
 constexpr int kKeyPad = 32;   // a block's keys padded to this: AMX bf16 tiles are 32 deep
-constexpr int kOnes = 16;     // columns appended to V: a column of ones, then zeros
+constexpr int kLCols = 16;    // o's columns past D: l in the first (one vector, so rows stay aligned)
 constexpr int kAhead = 16;    // K/V rows prefetched ahead while packing (paged rows are scattered:
                               // the hardware prefetchers do not follow the slot table)
 
@@ -136,15 +136,13 @@ inline void pack_k(bf16* dst, const bf16* k, const int32_t* slots, int n, int np
   }
 }
 
-// Gathers the block's V rows, each followed by kOnes columns (1, 0, ..., 0), as B of O += P.[V | 1];
-// zero rows for t in [n, npad).
+// Gathers the block's V rows as B of O += P.V; zero rows for t in [n, npad) (P is 0 there, but
+// 0 * a stale NaN is not).
 inline void pack_v(bf16* dst, const bf16* v, const int32_t* slots, int n, int npad, int D, int64_t s0, int64_t off,
                    bool vnni) {
-  const int Dv = D + kOnes;
-  constexpr uint16_t kOne = 0x3F80;   // bf16 1.0
   auto* d16 = reinterpret_cast<uint16_t*>(dst);
   for (int t = 0; t < std::min(n, kAhead); ++t) prefetch_bytes(v + static_cast<int64_t>(slots[t]) * s0 + off, D * 2);
-  if (vnni) {  // [npad/2][Dv][2]: element (i, d) holds row 2i's and row 2i + 1's column d
+  if (vnni) {  // [npad/2][D][2]: element (i, d) holds row 2i's and row 2i + 1's column d
     for (int i = 0; i < npad / 2; ++i) {
       const int t = 2 * i;
       for (int u = t + kAhead; u < std::min(n, t + kAhead + 2); ++u)
@@ -152,22 +150,18 @@ inline void pack_v(bf16* dst, const bf16* v, const int32_t* slots, int n, int np
       const auto* r0 = t < n ? reinterpret_cast<const uint16_t*>(v + static_cast<int64_t>(slots[t]) * s0 + off) : nullptr;
       const auto* r1 = t + 1 < n ? reinterpret_cast<const uint16_t*>(v + static_cast<int64_t>(slots[t + 1]) * s0 + off)
                                  : nullptr;
-      uint16_t* o = d16 + static_cast<int64_t>(i) * Dv * 2;
+      uint16_t* o = d16 + static_cast<int64_t>(i) * D * 2;
       for (int d = 0; d < D; ++d) {
         o[2 * d] = r0 ? r0[d] : 0;
         o[2 * d + 1] = r1 ? r1[d] : 0;
       }
-      std::memset(static_cast<void*>(o + 2 * D), 0, 2 * kOnes * sizeof(uint16_t));
-      o[2 * D] = r0 ? kOne : 0;
-      o[2 * D + 1] = r1 ? kOne : 0;
     }
-  } else {     // [npad][Dv]
-    std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(npad) * Dv * sizeof(bf16));
+  } else {     // [npad][D]
     for (int t = 0; t < n; ++t) {
       if (t + kAhead < n) prefetch_bytes(v + static_cast<int64_t>(slots[t + kAhead]) * s0 + off, D * 2);
-      std::memcpy(dst + t * Dv, v + static_cast<int64_t>(slots[t]) * s0 + off, D * sizeof(bf16));
-      d16[t * Dv + D] = kOne;
+      std::memcpy(dst + t * D, v + static_cast<int64_t>(slots[t]) * s0 + off, D * sizeof(bf16));
     }
+    std::memset(static_cast<void*>(dst + n * D), 0, static_cast<size_t>(npad - n) * D * sizeof(bf16));
   }
 }
 
@@ -192,8 +186,8 @@ constexpr float kLog2e = 1.44269504088896341f;
 // q.k; row r is the query at position pos0 + r and sees keys j <= pos0 + r (and j >= pos0 + r -
 // window_left when window_left >= 0). m: the running max of c * score (c = scale * log2e; soft-capped
 // scores are written in those units, c = 1). Writes p (bf16, 0 where masked and in [n, npad)), updates
-// m, and scales row r of o ([nr][Dv], the denominator in column D) by 2^(m_old - m_new) so that
-// brgemm can add p.[V | 1] to it. bm: scratch of kRows floats.
+// m, scales row r of o ([nr][Dv], the denominator l in column D = Dv - kLCols) by 2^(m_old - m_new)
+// so that brgemm can add p.V to it, and adds the row's rounded p to l. bm: scratch of kRows floats.
 inline void softmax_block_rows(float* s, bf16* p, float* m, float* o, float* bm, int nr, int Dv, int64_t pos0,
                                int64_t j0, int n, int npad, int64_t window_left, float scale, float cap) {
   const float c = cap > 0.f ? 1.f : scale * kLog2e;
@@ -230,14 +224,17 @@ inline void softmax_block_rows(float* s, bf16* p, float* m, float* o, float* bm,
     // keys past the row's last visible one are -inf: p = 0 there without the exp
     const int t_hi = static_cast<int>(std::clamp<int64_t>(pos0 + r + 1 - j0, 0, n));
     const int t_end = (t_hi + fvec::N - 1) / fvec::N * fvec::N;
-    for (int t = 0; t < t_end; t += fvec::N) store_bf16(exp2_bf16(fmadd(fvec::load(sr + t), cv, neg_mn)), pr + t);
+    fvec sum = fvec::zero();   // of the rounded p, so the weights P.V uses sum to exactly l
+    for (int t = 0; t < t_end; t += fvec::N)
+      sum = sum + store_bf16(exp2_bf16(fmadd(fvec::load(sr + t), cv, neg_mn)), pr + t);
     if (t_end < npad) std::memset(static_cast<void*>(pr + t_end), 0, (npad - t_end) * sizeof(bf16));
+    float* orow = o + r * Dv;
     if (mn != m[r]) {
       const fvec alpha = exp2_bf16(fvec::set1(m[r] - mn));
-      float* orow = o + r * Dv;
       for (int d = 0; d < Dv; d += fvec::N) (fvec::load(orow + d) * alpha).store(orow + d);
       m[r] = mn;
     }
+    orow[Dv - kLCols] += sum.sum();
   }
 }
 
@@ -316,8 +313,8 @@ void extend_brgemm_kernel(const Args& a, int D) {
   const int G = static_cast<int>(a.G);
   const Micro mk = micro_kernel();
   const bool vnni = mk != Micro::kGemm;
-  const int Dv = D + kOnes;
-  const int64_t block_elems = static_cast<int64_t>(kKeys) * (D + Dv);   // K^T and [V | 1] of one key block
+  const int Dv = D + kLCols;
+  const int64_t block_elems = static_cast<int64_t>(kKeys) * 2 * D;   // K^T and V of one key block
   std::vector<BrgemmTask> tasks;
   for (int64_t b = 0; b < a.bs; ++b) {
     const int64_t ext = a.qo_indptr[b + 1] - a.qo_indptr[b], p = a.prefix_lens[b];
@@ -394,7 +391,7 @@ void extend_brgemm_kernel(const Args& a, int D) {
           softmax_block_rows(s.data() + r0 * kKeys, pb.data() + r0 * kKeys, m.data() + r0, o.data() + r0 * Dv,
                              bm.data(), nr, Dv, pos0, j0, n, npad, a.window_left, a.scale, a.logit_cap);
         }
-        block_product(mk, rows, Dv, npad, kKeys, Dv, Dv, true, pb.data(), vp, o.data());
+        block_product(mk, rows, D, npad, kKeys, D, Dv, true, pb.data(), vp, o.data());
       }
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < nr; ++r) {
