@@ -23,13 +23,14 @@
 // order of the fp32 sums; they do not depend on the batch: one request's keys, one task's order.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 #if defined(RADIXLM_AVX512)
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -50,16 +51,15 @@ inline void prefetch_row(const uint16_t* row) {
 }
 
 // Scores of keys [0, n) for GB heads: s[g * kKeys + t]; -inf for t in [n, kKeys). When pf is set,
-// prefetches this block's V rows and the next block's K rows (next_slots, n_next of them).
+// prefetches the next block's K and V rows (next_slots, n_next of them).
 template <int D, int GB>
 RADIXLM_TARGET_BF16 inline void scores(const uint16_t* const* q, const uint16_t* k, const uint16_t* v,
                                        const int32_t* slots, int n, int64_t k_s0, int64_t v_s0, bool pf,
-                                       const uint16_t* k_next, const int32_t* next_slots, int n_next, float scale,
-                                       float cap, float* s) {
+                                       const int32_t* next_slots, int n_next, float scale, float cap, float* s) {
   constexpr int NV = D / 32;
   for (int t = 0; t < n; ++t) {
     if (pf && t < n_next) {
-      prefetch_row<D>(k_next + static_cast<int64_t>(next_slots[t]) * k_s0);
+      prefetch_row<D>(k + static_cast<int64_t>(next_slots[t]) * k_s0);
       prefetch_row<D>(v + static_cast<int64_t>(next_slots[t]) * v_s0);
     }
     const uint16_t* kr = k + static_cast<int64_t>(slots[t]) * k_s0;
@@ -150,22 +150,13 @@ RADIXLM_TARGET_BF16 inline void group_block(const uint16_t* const* q, float* con
                                             const uint16_t* k, const uint16_t* v, const int32_t* slots, int n,
                                             int64_t k_s0, int64_t v_s0, bool pf, const int32_t* next_slots,
                                             int n_next, float scale, float cap, float* s, uint16_t* p) {
-  scores<D, GB>(q, k, v, slots, n, k_s0, v_s0, pf, k, next_slots, n_next, scale, cap, s);
+  scores<D, GB>(q, k, v, slots, n, k_s0, v_s0, pf, next_slots, n_next, scale, cap, s);
   float alpha[GB];
   for (int g = 0; g < GB; ++g) alpha[g] = softmax(s + g * kKeys, p + g * kKeys, m[g], l[g]);
   pv<D, GB>(acc, alpha, p, v, slots, n, v_s0);
 }
 
 }  // namespace dp_decode
-
-// Whether decode_keys_dpbf16 runs for head_dim D here (set_decode_dpbf16(false): tests, benchmarks).
-inline std::atomic<bool>& decode_dpbf16_allowed() {
-  static std::atomic<bool> allowed{true};
-  return allowed;
-}
-inline bool decode_dpbf16_usable(int D) {
-  return D % 64 == 0 && cpu_has_avx512_bf16() && decode_dpbf16_allowed().load(std::memory_order_relaxed);
-}
 
 // Keys [j_begin, j_end) of one request (slots: its table row) for its H query heads, G per kv head:
 // q (bf16 bits) head h at q + h * q_s1; K/V rows at k/v + slot * s0 + kv head * s1. Writes acc
@@ -191,10 +182,11 @@ RADIXLM_TARGET_BF16 __attribute__((noinline)) void decode_keys_dpbf16(
     for (int kvh = 0; kvh < KVH; ++kvh) {
       const uint16_t* kh = k + kvh * k_s1;
       const uint16_t* vh = v + kvh * v_s1;
-      if (j0 == j_begin) {   // nothing prefetched this block's rows yet
-        for (int t = 0; t < n; ++t) prefetch_row<D>(kh + static_cast<int64_t>(sl[t]) * k_s0);
-        for (int t = 0; t < n; ++t) prefetch_row<D>(vh + static_cast<int64_t>(sl[t]) * v_s0);
-      }
+      if (j0 == j_begin)   // nothing prefetched this block's rows yet
+        for (int t = 0; t < n; ++t) {
+          prefetch_row<D>(kh + static_cast<int64_t>(sl[t]) * k_s0);
+          prefetch_row<D>(vh + static_cast<int64_t>(sl[t]) * v_s0);
+        }
       for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = std::min(4, G - g0), h0 = kvh * G + g0;
         const uint16_t* qg[4];
@@ -221,3 +213,21 @@ RADIXLM_TARGET_BF16 __attribute__((noinline)) void decode_keys_dpbf16(
 
 }  // namespace radixlm_attn
 #endif  // RADIXLM_AVX512
+
+namespace radixlm_attn {
+// set_decode_dpbf16(false) sends bf16 decode to the fp32 loop (tests, benchmarks); one flag per library.
+inline std::atomic<bool>& decode_dpbf16_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+inline void set_decode_dpbf16(bool allowed) { decode_dpbf16_allowed().store(allowed); }
+
+// Whether bf16 decode (bf16 q and K/V) at head_dim D runs decode_keys_dpbf16 here.
+inline bool decode_dpbf16_usable(int64_t D) {
+#if defined(RADIXLM_AVX512)
+  return D % 64 == 0 && cpu_has_avx512_bf16() && decode_dpbf16_allowed().load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+}  // namespace radixlm_attn

@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("force_extend_brgemm_micro", &radixlm_attn::force_extend_brgemm_micro,
         "tests: run extend_brgemm's products on 'gemm' or the best micro-kernel until 'auto'", py::arg("name"));
   m.def("decode_micro", [](int64_t head_dim) {
-          return std::string(radixlm_attn::decode_dpbf16_enabled(head_dim) ? "avx512_bf16" : "fma");
+          return std::string(radixlm_attn::decode_dpbf16_usable(head_dim) ? "avx512_bf16" : "fma");
         }, "what bf16 decode runs its products on at this head_dim: avx512_bf16 (decode_dpbf16.h) or fma",
         py::arg("head_dim"));
   m.def("set_decode_dpbf16", &radixlm_attn::set_decode_dpbf16,

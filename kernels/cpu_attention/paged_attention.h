@@ -264,7 +264,7 @@ struct Scratch {
 
 // ----------------------------------------------------------------------------------- decode
 // decode_kernel's keys [j_begin, j_end) of request b on vdpbf16ps (decode_dpbf16.h): w.acc, w.m, w.l
-// as its fp32 loop leaves them. Only for bf16 K/V and q, head_dim a multiple of 64 (decode_uses_dpbf16).
+// as its fp32 loop leaves them. Only for bf16 K/V and q, head_dim a multiple of 64 (decode_dpbf16_usable).
 template <typename kv_t, int D>
 inline void decode_keys_dp(const Args& a, int64_t b, const int32_t* tok, int64_t j_begin, int64_t j_end, Scratch& w) {
 #if defined(RADIXLM_AVX512)
@@ -279,42 +279,13 @@ inline void decode_keys_dp(const Args& a, int64_t b, const int32_t* tok, int64_t
   TORCH_CHECK(false, "decode_keys_dp: bf16 K/V, head_dim a multiple of 64, AVX512 builds only");
 }
 
-// Whether decode_kernel<kv_t, D> runs its keys on vdpbf16ps for these arguments.
-template <typename kv_t, int D>
-inline bool decode_uses_dpbf16(const Args& a) {
-#if defined(RADIXLM_AVX512)
-  return std::is_same_v<kv_t, bf16> && a.q_bf16 && decode_dpbf16_usable(D);
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
-// Whether bf16 decode (bf16 q and K/V) runs on vdpbf16ps at this head_dim; set_decode_dpbf16(false)
-// makes it take the fp32 loop (tests, benchmarks).
-bool decode_dpbf16_enabled(int64_t head_dim) {
-#if defined(RADIXLM_AVX512)
-  return decode_dpbf16_usable(static_cast<int>(head_dim));
-#else
-  return false;
-#endif
-}
-
-void set_decode_dpbf16(bool allowed) {
-#if defined(RADIXLM_AVX512)
-  decode_dpbf16_allowed().store(allowed);
-#endif
-}
-
-namespace {
 template <typename kv_t, int D>
 void decode_kernel(const Args& a) {
   const auto* k = static_cast<const kv_t*>(a.k);
   const auto* v = static_cast<const kv_t*>(a.v);
   const int G = static_cast<int>(a.G);
   const int H = static_cast<int>(a.H);
-  const bool dp = decode_uses_dpbf16<kv_t, D>(a);
+  const bool dp = std::is_same_v<kv_t, bf16> && a.q_bf16 && decode_dpbf16_usable(D);   // decode_keys_dp
   // one task per (request, kv split), all kv heads inside: a slot's K/V rows for every kv head
   // are adjacent in memory, so each key block is read from DRAM once
   // requests differ in length: tasks taken at run time (parallel.h), not in one fixed range per thread

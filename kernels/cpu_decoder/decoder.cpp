@@ -415,9 +415,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "runs: [ExtendRun(kernel 0 decode | 1 extend | 2 extend_brgemm, q0, q1, rows, seq_lens, prefix_lens, "
            "qo_indptr|None)] covering the tokens in order")
       .def_property_readonly("num_layers", &radixlm_decoder::Decoder::num_layers);
-  m.def("set_decode_dpbf16", &radixlm_attn::set_decode_dpbf16,
-        "tests, benchmarks: this library's set_decode_dpbf16 (cpu_attention's, for its own copy of the kernel)",
-        py::arg("allowed"));
 #ifdef RADIXLM_WITH_QUANT
   m.attr("with_quant") = true;
 #else
