@@ -4,6 +4,12 @@
 `$RADIXLM_KERNEL_CACHE` (default ~/.cache/radixlm/kernels/<name>_<isa>_<hash>), one folder per
 source/flags/torch version, so later processes only load the built library.
 
+Each extension is one translation unit, so a build keeps one core busy for 25-50 s, and a first start
+builds four to six of them. `start_builds(planned_builds(loaders))` compiles the ones not in the cache
+yet in child processes, one per core at a time, while the caller goes on (loading weights): a loader
+called meanwhile waits on that build's lock and then loads the library. A child runs `python -m
+radixlm.kernels.cpu_build` with the very arguments the loader would pass to `load_extension`.
+
 The SIMD path follows the CPU: AVX512 (avx512f/bw/vl/dq) or AVX2+FMA, read from /proc/cpuinfo;
 `--cpu-kernel-isa` / `RADIXLM_CPU_KERNEL_ISA=avx2|avx512` forces one. `--disable-cpu-kernels` /
 `RADIXLM_DISABLE_CPU_KERNELS=1` disables every extension (callers then use their torch code).
@@ -16,10 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import json
 import logging
+import os
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -107,10 +119,12 @@ def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], h
     isa = isa or pick_isa()
     if isa is None:
         return _unavailable(f"{what} need AVX2+FMA or AVX512")
-    flags = [*COMMON_FLAGS, *ISA_FLAGS[isa], *extra_flags]
-    folder = build_dir(kind, isa, [*sources, *headers], flags)
-    name = f"radixlm_{kind}_{isa}"
-    fresh = not any(folder.glob(f"{name}*.so"))
+    if _planned is not None:   # planned_builds asks what this loader would build: nothing is built or loaded
+        _planned.append({"kind": kind, "what": what, "isa": isa, "sources": [str(p) for p in sources],
+                         "headers": [str(p) for p in headers], "extra_flags": list(extra_flags)})
+        return None
+    folder, name, flags = _build_of(kind, isa, sources, headers, extra_flags)
+    fresh = not _built(folder, name)
     if fresh:
         logger.info("Compiling %s (%s) into %s; first use only, about a minute", what, isa, folder)
     t0 = time.perf_counter()
@@ -127,6 +141,67 @@ def load_extension(kind: str, what: str, isa: str | None, sources: list[Path], h
     if fresh:
         logger.info("%s (%s) built in %.1f s", what, isa, time.perf_counter() - t0)
     return mod
+
+
+def _build_of(kind: str, isa: str, sources: list[Path], headers: list[Path],
+              extra_flags: tuple[str, ...] | list[str]) -> tuple[Path, str, list[str]]:
+    """(cache folder, module name, compiler flags) of one build."""
+    flags = [*COMMON_FLAGS, *ISA_FLAGS[isa], *extra_flags]
+    return build_dir(kind, isa, [*sources, *headers], flags), f"radixlm_{kind}_{isa}", flags
+
+
+def _built(folder: Path, name: str) -> bool:
+    return any(folder.glob(f"{name}*.so"))
+
+
+_planned: list[dict] | None = None   # set by planned_builds while it asks the loaders what they would build
+
+
+def planned_builds(loaders: list[Callable[[], object]]) -> list[dict]:
+    """What these loaders would compile on their first call and is not in the cache yet.
+
+    Each loader is a kernel package's cached loader (`load_cpu_gemm`) or a functools.partial of one
+    with its arguments (`partial(load_cpu_attention, "avx2")`); its uncached body runs in a dry mode
+    in which `load_extension` records its arguments instead of building or loading. Not thread-safe:
+    call it before other threads load kernels."""
+    global _planned
+    _planned = []
+    try:
+        for loader in loaders:
+            fn, args = (loader.func, loader.args) if isinstance(loader, functools.partial) else (loader, ())
+            getattr(fn, "__wrapped__", fn)(*args)
+    finally:
+        plans, _planned = _planned, None
+    unique = list({json.dumps(p, sort_keys=True): p for p in plans}.values())
+    return [p for p in unique if not _built(*_build_of(p["kind"], p["isa"], [Path(f) for f in p["sources"]],
+                                                       [Path(f) for f in p["headers"]], p["extra_flags"])[:2])]
+
+
+def start_builds(plans: list[dict], jobs: int | None = None) -> threading.Thread | None:
+    """Compiles `plans` (planned_builds) in child processes, `jobs` at a time (default: the cores this
+    process may use), from a background thread, which it returns (None when there is nothing to build). Side effects:
+    logs what it builds and how long that took. A child that fails changes nothing: the loader's own
+    call builds again and reports the error."""
+    if not plans:
+        return None
+    jobs = max(1, min(len(plans), jobs or len(os.sched_getaffinity(0))))
+    logger.info("Compiling %d C++ CPU extensions (%s), %d at a time; first start only, about %d s",
+                len(plans), ", ".join(f"{p['kind']} {p['isa']}" for p in plans), jobs, 40 * len(plans) // jobs)
+    thread = threading.Thread(target=_run_builds, args=(plans, jobs), name="radixlm-kernel-builds", daemon=True)
+    thread.start()
+    return thread
+
+
+def _run_builds(todo: list[dict], jobs: int) -> None:
+    t0 = time.perf_counter()
+    pending, running = list(todo), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            cmd = [sys.executable, "-m", "radixlm.kernels.cpu_build", json.dumps(pending.pop(0))]
+            running.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.2)
+        running = [p for p in running if p.poll() is None]
+    logger.info("C++ CPU extensions compiled in %.1f s", time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -156,3 +231,10 @@ def _unavailable(problem: str) -> None:
         raise RuntimeError(f"{problem}, and --require-kernels / {env.REQUIRE_KERNELS.name} is set")
     logger.warning("%s; using the torch code", problem)
     return None
+
+
+if __name__ == "__main__":      # one build of start_builds: python -m radixlm.kernels.cpu_build '{"kind": ...}'
+    plan = json.loads(sys.argv[1])
+    built = load_extension(plan["kind"], plan["what"], plan["isa"], [Path(p) for p in plan["sources"]],
+                           [Path(p) for p in plan["headers"]], tuple(plan["extra_flags"]))
+    sys.exit(0 if built is not None else 1)

@@ -45,6 +45,31 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             path.unlink(missing_ok=True)
 
 
+# A whole run (pytest with no paths: the testpaths) on an empty kernel cache compiles every C++ CPU
+# extension the tests load, in the background, one per core at a time, from the start (collection
+# included); a test that loads one meanwhile waits on its build (kernels/cpu_build.py). The AVX2
+# builds are the ones the default suite's AVX2 tests force on an AVX512 CPU.
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if session.config.args_source is not pytest.Config.ArgsSource.TESTPATHS or session.config.option.collectonly:
+        return
+    from functools import partial
+
+    from radixlm.kernels.cpu_attention import load_cpu_attention
+    from radixlm.kernels.cpu_build import planned_builds, start_builds
+    from radixlm.kernels.cpu_decoder import load_cpu_decoder
+    from radixlm.kernels.cpu_gemm import load_cpu_gemm
+    from radixlm.kernels.cpu_moe import load_cpu_moe
+    from radixlm.kernels.cpu_ops import load_cpu_ops
+    from radixlm.kernels.cpu_quant import load_cpu_quant
+
+    plans = planned_builds([load_cpu_decoder, load_cpu_attention, load_cpu_gemm, load_cpu_ops, load_cpu_quant,
+                            load_cpu_moe, partial(load_cpu_ops, "avx2")])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RADIXLM_CPU_KERNEL_ISA", "avx2")      # test_cpu_gemm's AVX2 run (a child process)
+        plans += planned_builds([load_cpu_gemm])
+    start_builds(plans)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 

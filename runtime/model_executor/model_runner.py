@@ -20,6 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.cpu_amx import prepare_onednn_isa
+from ...kernels.cpu_attention import load_cpu_attention
+from ...kernels.cpu_build import planned_builds, start_builds
+from ...kernels.cpu_decoder import load_cpu_decoder
+from ...kernels.cpu_gemm import load_cpu_gemm
+from ...kernels.cpu_moe import load_cpu_moe
+from ...kernels.cpu_ops import load_cpu_ops
+from ...kernels.cpu_quant import load_cpu_quant
 from ..layers.attention.base import create_backend
 from ..layers.moe_grouped import grouped_mm_supported
 from ..layers.packed_linear import pack_linear_weights, packed_weight_bytes
@@ -62,6 +69,8 @@ class ModelRunner:
 
         if self.device.type == "cpu":
             prepare_onednn_isa()          # AMX tile permission (or oneDNN's ISA cap) before any matmul
+            if self.tp_rank == 0:
+                self._start_cpu_kernel_builds()
         self.model = load_model(self.model_config, self.device, disable_gguf_quant=server_args.disable_gguf_quant)
         if not (server_args.disable_packed_weights or server_args.enable_torch_compile):
             pack_linear_weights(self.model)
@@ -75,6 +84,22 @@ class ModelRunner:
         self.decode_forward = self._pick_decode_forward()
         self.extend_forward = self._pick_extend_forward()
         self.graph_runner = self._make_graph_runner()
+
+    def _start_cpu_kernel_builds(self) -> None:
+        """Compiles the C++ CPU extensions this runner will load (the ones not cached yet), in parallel
+        child processes while the weights load: a first start waits for about one build per core
+        instead of one after another (kernels/cpu_build.py). Other tensor-parallel ranks
+        wait on the same builds' locks."""
+        args = self.server_args
+        loaders: list[Callable[[], object]] = []   # what this process loads last goes first: it builds the
+        if not (args.disable_cpu_decoder or args.enable_torch_compile):   # ones it needs before a child
+            loaders.append(load_cpu_decoder)                               # has started them itself
+        loaders.append(load_cpu_attention)
+        if self.model_config.moe is not None:
+            loaders.append(load_cpu_moe)
+        if self.model_config.gguf_file and not args.disable_gguf_quant:
+            loaders.append(load_cpu_quant)
+        start_builds(planned_builds([*loaders, load_cpu_gemm, load_cpu_ops]))
 
     def _window_sizes(self) -> tuple[int, ...]:
         """The distinct sliding windows of the layers (FlashInfer plans one wrapper pair per window
