@@ -133,6 +133,11 @@ CPU_EXTEND_KERNEL = _var("RADIXLM_CPU_EXTEND_KERNEL", str, "auto", "Kernel of th
                          "beside linear_select.json's choices; extends of at least 16 new tokens per request take "
                          "the winner), or force brgemm or simd for every extend. Decode always runs the simd "
                          "kernel.", "cpu_extend_kernel", ("auto", "brgemm", "simd"))
+CPU_DECODE_SPLIT = _var("RADIXLM_CPU_DECODE_SPLIT", str, "auto", "How the one-call CPU decoder runs a decode "
+                        "step of bf16 gemm-layout weights with at least 8 requests per thread: auto (time the "
+                        "whole batch on every thread against one part of the batch per thread, each through "
+                        "every layer alone, per batch size and context length, and use the faster), or force "
+                        "off or on. The outputs are the same either way.", "cpu_decode_split", ("auto", "off", "on"))
 CPU_KERNEL_ISA = _var("RADIXLM_CPU_KERNEL_ISA", str, None, "SIMD path of the C++ CPU kernels (default: the "
                       "best this CPU runs, avx512 then avx2).", "cpu_kernel_isa", ("avx512", "avx2"))
 REQUIRE_KERNELS = _var("RADIXLM_REQUIRE_KERNELS", bool, False, "Fail (RuntimeError) when a C++ CPU kernel that "

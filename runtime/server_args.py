@@ -115,6 +115,7 @@ class ServerArgs:
     cpu_linear_kernel: str = _env("cpu_linear_kernel")
     cpu_quant_kernel: str = _env("cpu_quant_kernel")
     cpu_extend_kernel: str = _env("cpu_extend_kernel")
+    cpu_decode_split: str = _env("cpu_decode_split")
     disable_fused_ops: bool = _env("disable_fused_ops")
     disable_cpu_kernels: bool = _env("disable_cpu_kernels")
     cpu_kernel_isa: str | None = _env("cpu_kernel_isa")

@@ -5,6 +5,7 @@
     dec.add_layer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache)
     dec.add_moe_layer(input_norm, post_norm, q_norm, k_norm, qkv, o, moe, k_cache, v_cache)   # sparse MLP
     hidden = dec.forward(embeddings, positions, out_cache_loc, req_to_token, rows, seq_lens)
+    hidden = dec.forward_split(embeddings, positions, out_cache_loc, req_to_token, rows, seq_lens, parts)  # same bits
     hidden = dec.extend(embeddings, positions, out_cache_loc, req_to_token, [mod.ExtendRun(...), ...])  # prefill
 
 Each linear is a tuple (weight, bias or None, out_features, kind): kind 0 is a dense [out, in]

@@ -263,6 +263,37 @@ class Decoder {
     });
   }
 
+  // forward() with the batch cut into `parts` runs of consecutive requests, each taken through every
+  // layer by one thread alone: its kernels run serially inside this parallel region, so the step has
+  // no barrier between ops (about ten per layer otherwise). Where SmolLM2's small matmuls made those
+  // barriers count this was 6-11% faster at batch 32-64 on a 2-core Zen 4; with long contexts (the
+  // memory-bound attention streams slower from one thread) or larger models it is not, so the caller
+  // times both (runtime/model_executor/cpu_decoder.py). Same bits as forward(): a row's gemm and
+  // attention do not depend on the rows beside it (the batch-invariance tests).
+  at::Tensor forward_split(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                           const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
+                           int64_t parts) {
+    const int64_t bs = hidden.size(0);
+    TORCH_CHECK(parts >= 1, "cpu_decoder: forward_split needs parts >= 1");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == bs &&
+                    seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == bs,
+                "cpu_decoder: rows and seq_lens must be contiguous int64 [bs]");
+    parts = std::min(parts, bs);
+    if (parts <= 1) return forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens);
+    std::vector<at::Tensor> outs(parts);
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t r0 = bs * p / parts, n = bs * (p + 1) / parts - r0;
+        const at::Tensor part_rows = rows.narrow(0, r0, n), part_lens = seq_lens.narrow(0, r0, n);
+        outs[p] = run_layers(hidden.narrow(0, r0, n), positions.narrow(0, r0, n), out_cache_loc.narrow(0, r0, n),
+                             at::Tensor(), [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
+          radixlm_attn::decode(attn, q, L.k_cache, L.v_cache, req_to_token, part_rows, part_lens, scaling_, 0);
+        });
+      }
+    });
+    return at::cat(outs);
+  }
+
   // A prefill / extend / mixed pass: hidden [n, hidden] for all n new tokens, positions and
   // out_cache_loc int64 [n], and the pass cut into runs as the attention backend cuts it
   // (runtime/layers/attention/torch_native.py, _Run): each run is (kernel: 0 decode, 1 the
@@ -406,6 +437,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "shared gate weight|None)")
       .def("forward", &radixlm_decoder::Decoder::forward, py::call_guard<py::gil_scoped_release>(),
            "forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens) -> final-normed hidden")
+      .def("forward_split", &radixlm_decoder::Decoder::forward_split, py::call_guard<py::gil_scoped_release>(),
+           "forward_split(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens, parts) -> forward()'s "
+           "result, the batch cut into `parts` runs of requests, each through every layer on one thread")
       .def("extend", &radixlm_decoder::Decoder::extend, py::arg("hidden"), py::arg("positions"),
            py::arg("out_cache_loc"), py::arg("req_to_token"), py::arg("runs"), py::arg("output_rows") = py::none(),
            py::call_guard<py::gil_scoped_release>(),

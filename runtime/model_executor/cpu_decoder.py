@@ -17,6 +17,10 @@ noise, but a single 320-token prompt (TTFT at concurrency 1) paid for them. Not 
 kept quantized: their prefill kernel is chosen per row count (quant_select.py), so those passes keep
 the Python forward. `--disable-cpu-decoder` turns both off.
 
+A decode step of dense layers with bf16 weights in the gemm layout may run split between the threads
+(`Decoder.forward_split`: each thread takes its run of requests through every layer alone, same
+bits), where timing says that is faster (decode_split.py; `--cpu-decode-split`).
+
 It applies to Llama-family models (Llama, Qwen2, Qwen3, and the MoE ones: Qwen2-MoE, Qwen3-MoE,
 Mixtral) on CPU with one tensor-parallel rank, in fp32 or bf16, when the fused ops and the
 attention kernels are loaded and torch.compile is off;
@@ -31,16 +35,19 @@ kernels/cpu_moe experts, the gated shared expert), so it needs bf16 experts in t
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
 
 from ...kernels import cpu_ops
 from ...kernels.cpu_decoder import load_cpu_decoder
+from .. import env
 from ..layers.attention import extend_select
 from ..layers.moe import SparseMoeBlock
 from ..layers.packed_linear import GemmWeight
 from ..layers.quant_linear import QuantWeight
+from .decode_split import SplitChoice
 from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -50,8 +57,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 class CpuDecoder:
     def __init__(self, mod: object, impl: object, embed: nn.Module, attn_kernels: object, first_attn: nn.Module,
-                 dtype: torch.dtype, takes_extend: bool):
+                 dtype: torch.dtype, takes_extend: bool, split: SplitChoice):
         self.mod = mod              # the extension module (its ExtendRun)
+        self.split = split          # whole or split decode steps (decode_split.py)
         self.impl = impl            # the extension's Decoder (holds the weights and K/V buffers)
         self.embed = embed
         # what extend_select.kernel_for needs to pick each extend run's kernel as the Python forward does
@@ -90,17 +98,30 @@ class CpuDecoder:
         # through oneDNN), where decoder.cpp always runs vnni; those passes keep the Python forward
         takes_extend = not any(isinstance(linear.packed_weight, QuantWeight) for layer in inner.layers
                                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))
-        logger.info("One-call CPU decoder on: %s run the %d decoder layers in one C++ call",
-                    "decode and prefill steps" if takes_extend else "decode steps (prefill: GGUF weights, Python)",
-                    impl.num_layers)
+        # Split decode steps were measured with radixlm's bf16 gemm on dense layers only
+        dense_gemm = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in inner.layers) and all(
+            isinstance(linear.packed_weight, GemmWeight) for layer in inner.layers
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))
+        split = SplitChoice(env.CPU_DECODE_SPLIT.get() if dense_gemm else "off")
+        logger.info("One-call CPU decoder on: %s run the %d decoder layers in one C++ call; decode steps split "
+                    "between the threads: %s", "decode and prefill steps" if takes_extend else
+                    "decode steps (prefill: GGUF weights, Python)", impl.num_layers,
+                    {"auto": "where timing says it is faster", "on": "always (--cpu-decode-split on)",
+                     "off": "no" if dense_gemm else "no (not bf16 gemm-layout dense layers)"}[split.mode])
         return cls(mod, impl, inner.embed_tokens, attn_backend.kernels, first.attn, inner.norm.weight.dtype,
-                   takes_extend)
+                   takes_extend, split)
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [bs, hidden] for a DECODE batch; writes every layer's K/V at fb.out_cache_loc."""
         run = fb.attn_metadata.runs[0]   # torch_native's kernel metadata: a decode pass is one run (int64)
-        return self.impl.forward(self.embed(fb.input_ids), fb.positions, fb.out_cache_loc,
-                                 fb.req_to_token_pool.req_to_token, run.req_pool_indices, run.seq_lens)
+        bs = run.seq_lens.numel()
+        parts, key = self.split.parts_for(torch.get_num_threads(), bs, int(run.seq_lens.sum()) / max(bs, 1))
+        args = (self.embed(fb.input_ids), fb.positions, fb.out_cache_loc, fb.req_to_token_pool.req_to_token,
+                run.req_pool_indices, run.seq_lens)
+        t0 = time.perf_counter()
+        hidden = self.impl.forward(*args) if parts == 1 else self.impl.forward_split(*args, parts)
+        self.split.record(key, parts, time.perf_counter() - t0)
+        return hidden
 
     def extend(self, fb: ForwardBatch) -> torch.Tensor:
         """hidden [num_tokens, hidden] (the rows fb.output_rows only, when set) for a prefill, extend or

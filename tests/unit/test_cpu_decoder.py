@@ -38,8 +38,8 @@ class _Req:
 
 
 def _runner(path: str, dtype: str, **kwargs) -> ModelRunner:
-    args = ServerArgs.from_kwargs(model_path=path, device="cpu", dtype=dtype, max_total_tokens=4096,
-                                  max_running_requests=8, page_size=4, **kwargs).resolved()
+    args = ServerArgs.from_kwargs(**{"model_path": path, "device": "cpu", "dtype": dtype, "max_total_tokens": 4096,
+                                     "max_running_requests": 8, "page_size": 4, **kwargs}).resolved()
     return ModelRunner(args)
 
 
@@ -100,6 +100,41 @@ def test_decoder_equals_python_forward(tiny_model_path: str, dtype: str, monkeyp
         packed = runner.model.model.layers[0].mlp.down_proj.packed_weight
         assert packed is not None and not isinstance(packed, packed_linear.GemmWeight)
     assert_decoder_matches_python_forward(runner)
+
+
+def test_split_decode_steps_equal_whole_ones(llama_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoder.forward_split (one run of requests per thread, each through every layer alone) gives
+    forward()'s hidden states and K/V writes bit for bit, for 2 and 3 parts and for more parts than
+    requests; with --cpu-decode-split on, a step through CpuDecoder is split and equal too."""
+    monkeypatch.setenv("RADIXLM_CPU_DECODE_SPLIT", "on")
+    runner = _runner(llama_path, "bfloat16", max_running_requests=20)
+    decoder = runner.decode_forward
+    assert isinstance(decoder, CpuDecoder)
+    gemm = isinstance(runner.model.model.layers[0].mlp.down_proj.packed_weight, packed_linear.GemmWeight)
+    assert decoder.split.mode == ("on" if gemm else "off")
+    kv, reqs, ids = _prefilled_batch(runner, [3 + 5 * i for i in range(17)])
+    seqs = [r.kv_committed_len for r in reqs]
+    loc = kv.alloc_extend(reqs, [1] * len(reqs))
+    fb = runner.make_forward_batch(ForwardMode.DECODE, ids, [r.req_pool_idx for r in reqs], seqs,
+                                   [s + 1 for s in seqs], loc, kv.req_to_token_pool)
+    runner.attn_backend.init_forward_metadata(fb)
+    run = fb.attn_metadata.runs[0]
+    cache = list(zip(runner.kv_cache.k_buffer, runner.kv_cache.v_buffer))
+
+    def args():   # the embeddings afresh: the decoder adds into its residual input in place
+        return (decoder.embed(fb.input_ids), fb.positions, fb.out_cache_loc, kv.req_to_token_pool.req_to_token,
+                run.req_pool_indices, run.seq_lens)
+
+    with torch.inference_mode():
+        want = decoder.impl.forward(*args())
+        want_kv = [(k[loc].clone(), v[loc].clone()) for k, v in cache]
+        for parts in (2, 3, 40, "CpuDecoder"):
+            for k, v in cache:
+                k[loc], v[loc] = 0, 0
+            got = decoder(fb) if parts == "CpuDecoder" else decoder.impl.forward_split(*args(), parts)
+            assert torch.equal(got, want), parts
+            for layer, (k, v) in enumerate(cache):
+                assert torch.equal(k[loc], want_kv[layer][0]) and torch.equal(v[loc], want_kv[layer][1]), (parts, layer)
 
 
 def assert_decoder_matches_python_forward(runner, steps: int = 3) -> None:
