@@ -254,13 +254,7 @@ class Decoder {
   // returns the final-normed hidden states [bs, hidden].
   at::Tensor forward(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens) {
-    const int64_t bs = hidden.size(0);
-    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == bs &&
-                    seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == bs,
-                "cpu_decoder: rows and seq_lens must be contiguous int64 [bs]");
-    return run_layers(hidden, positions, out_cache_loc, at::Tensor(), [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
-      radixlm_attn::decode(attn, q, L.k_cache, L.v_cache, req_to_token, rows, seq_lens, scaling_, 0);
-    });
+    return forward_split(std::move(hidden), positions, out_cache_loc, req_to_token, rows, seq_lens, 1);
   }
 
   // forward() with the batch cut into `parts` runs of consecutive requests, each taken through every
@@ -279,16 +273,13 @@ class Decoder {
                     seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == bs,
                 "cpu_decoder: rows and seq_lens must be contiguous int64 [bs]");
     parts = std::min(parts, bs);
-    if (parts <= 1) return forward(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens);
+    if (parts <= 1) return decode_layers(hidden, positions, out_cache_loc, req_to_token, rows, seq_lens);
     std::vector<at::Tensor> outs(parts);
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t r0 = bs * p / parts, n = bs * (p + 1) / parts - r0;
-        const at::Tensor part_rows = rows.narrow(0, r0, n), part_lens = seq_lens.narrow(0, r0, n);
-        outs[p] = run_layers(hidden.narrow(0, r0, n), positions.narrow(0, r0, n), out_cache_loc.narrow(0, r0, n),
-                             at::Tensor(), [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
-          radixlm_attn::decode(attn, q, L.k_cache, L.v_cache, req_to_token, part_rows, part_lens, scaling_, 0);
-        });
+        outs[p] = decode_layers(hidden.narrow(0, r0, n), positions.narrow(0, r0, n), out_cache_loc.narrow(0, r0, n),
+                                req_to_token, rows.narrow(0, r0, n), seq_lens.narrow(0, r0, n));
       }
     });
     return at::cat(outs);
@@ -331,6 +322,15 @@ class Decoder {
   }
 
  private:
+  // The layer loop over decode rows (one token per request): forward_split's body, for all rows or a part.
+  at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                           const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens) {
+    return run_layers(std::move(hidden), positions, out_cache_loc, at::Tensor(),
+                      [&](at::Tensor& attn, const at::Tensor& q, Layer& L) {
+      radixlm_attn::decode(attn, q, L.k_cache, L.v_cache, req_to_token, rows, seq_lens, scaling_, 0);
+    });
+  }
+
   // The layer loop of forward() and extend(); attend(attn, q, layer) fills attn [n, H, D] from
   // q [n, H, D] over the layer's K/V caches (this token's K/V already written). With `keep` defined
   // the last layer continues after attention with those rows only.
