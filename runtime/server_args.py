@@ -26,9 +26,10 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random", "priority")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 GRAMMAR_BACKEND_NAMES = ("outlines", "xgrammar", "llguidance", "none")
-# (chunked_prefill_size, max_prefill_tokens) when not given: SGLang's on CUDA; on CPU the size of
-# vLLM's CPU server step (max_num_batched_tokens 2048), about 1.7 s of prefill for SmolLM2 on 2 cores
-PREFILL_DEFAULTS = {"cuda": (8192, 16384), "cpu": (2048, 2048)}
+# (chunked_prefill_size, max_prefill_tokens, prefill_step_tokens) when not given: SGLang's on CUDA; on
+# CPU the size of vLLM's CPU server step (max_num_batched_tokens 2048), about 1.2 s of prefill for
+# SmolLM2 on 2 cores, which a burst's requests share a few at a time (steps of 512+ prompt tokens)
+PREFILL_DEFAULTS = {"cuda": (8192, 16384, 0), "cpu": (2048, 2048, 512)}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "fp8_e5m2", "fp8_e4m3")
 
 
@@ -80,6 +81,11 @@ class ServerArgs:
                                         "(default: 16384 on CUDA, 2048 on CPU, where a 16k-token step takes "
                                         "seconds and holds back every first token and every decode token "
                                         "until it ends).")
+    prefill_step_tokens: int | None = _f(None, "Once one step's new prompt tokens reach this, it admits no further "
+                                         "waiting request (whole requests: none is cut to fill the step); each "
+                                         "request then gets its first token when its own prompt is done, not when "
+                                         "a full --max-prefill-tokens step ends. 0: off, fill every step "
+                                         "(default: 512 on CPU, off on CUDA).")
     schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _f(1.0, "Scales the reserved decode-growth estimate (higher is safer).")
     disable_radix_cache: bool = _f(False, "Turn off prefix caching (ChunkCache).")
@@ -240,13 +246,14 @@ class ServerArgs:
             from .utils import free_port
 
             dist_addr = f"127.0.0.1:{free_port()}"
-        chunk, prefill = PREFILL_DEFAULTS["cuda" if device == "cuda" else "cpu"]
+        chunk, prefill, step = PREFILL_DEFAULTS["cuda" if device == "cuda" else "cpu"]
         return self.replace(model_path=model_path, tokenizer_path=self.tokenizer_path or source.tokenizer_path
                             or model_path, served_model_name=served_name,
                             device=device, attention_backend=backend, dist_init_addr=dist_addr,
                             chunked_prefill_size=chunk if self.chunked_prefill_size is None
                             else self.chunked_prefill_size,
-                            max_prefill_tokens=prefill if self.max_prefill_tokens is None else self.max_prefill_tokens)
+                            max_prefill_tokens=prefill if self.max_prefill_tokens is None else self.max_prefill_tokens,
+                            prefill_step_tokens=step if self.prefill_step_tokens is None else self.prefill_step_tokens)
 
     def validate(self) -> None:
         if self.page_size < 1:

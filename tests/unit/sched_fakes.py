@@ -63,6 +63,7 @@ class FakeLoop:
         # unresolved args: pin the prefill budgets the tests were written for (resolved() picks per device)
         server_args.setdefault("chunked_prefill_size", 8192)
         server_args.setdefault("max_prefill_tokens", 16384)
+        server_args.setdefault("prefill_step_tokens", 0)
         self.args = ServerArgs(**server_args)
         self.kv = kv
         self.planner = BatchPlanner(self.args, kv, max_running)

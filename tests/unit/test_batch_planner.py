@@ -64,6 +64,24 @@ def test_max_prefill_tokens_bounds_one_step() -> None:
     loop.run()
 
 
+def test_prefill_step_tokens_ends_a_step_between_whole_requests() -> None:
+    """Past --prefill-step-tokens a step admits no one more, and cuts no prompt to fill itself."""
+    loop = FakeLoop(make_kv(1024, max_running=16), max_running=16, prefill_step_tokens=10, chunked_prefill_size=-1)
+    loop.submit(*[make_req(f"r{i}", [30 + i] * 8, max_new_tokens=3) for i in range(5)])
+    first = loop.step()
+    assert [r.rid for r in first.reqs] == ["r0", "r1"] and first.extend_lens == [8, 8]
+    second = loop.step()                                    # two decodes, then the next two prompts
+    assert [r.rid for r in second.reqs] == ["r0", "r1", "r2", "r3"] and second.extend_lens == [1, 1, 8, 8]
+    loop.submit(make_req("long", list(range(3, 40)), max_new_tokens=2))
+    loop.step()                                             # r4 (8 tokens), then the long one too
+    assert loop.batches[-1].extend_lens[-2:] == [8, 37]    # below the target the next one comes whole
+    loop.run()
+    assert loop.kv.is_fully_free() and len(loop.finished) == 6
+    off = FakeLoop(make_kv(1024, max_running=16), max_running=16, prefill_step_tokens=0, chunked_prefill_size=-1)
+    off.submit(*[make_req(f"r{i}", [30 + i] * 8, max_new_tokens=3) for i in range(5)])
+    assert off.step().extend_lens == [8] * 5
+
+
 def test_decode_tokens_count_against_max_prefill_tokens() -> None:
     """A step is at most --max-prefill-tokens rows, decodes included; prompts keep a quarter of it."""
     loop = FakeLoop(make_kv(1024, max_running=16), max_running=16, max_prefill_tokens=40, chunked_prefill_size=-1)
