@@ -28,8 +28,8 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 GRAMMAR_BACKEND_NAMES = ("outlines", "xgrammar", "llguidance", "none")
 # (chunked_prefill_size, max_prefill_tokens, prefill_step_tokens) when not given: SGLang's on CUDA; on
 # CPU the size of vLLM's CPU server step (max_num_batched_tokens 2048), about 1.2 s of prefill for
-# SmolLM2 on 2 cores, which a burst's requests share a few at a time (steps of 512+ prompt tokens)
-PREFILL_DEFAULTS = {"cuda": (8192, 16384, 0), "cpu": (2048, 2048, 512)}
+# SmolLM2 on 2 cores, which a burst's requests share a few at a time (steps of ~0.3 s, prefill_pace.py)
+PREFILL_DEFAULTS = {"cuda": (8192, 16384, 0), "cpu": (2048, 2048, -1)}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "fp8_e5m2", "fp8_e4m3")
 
 
@@ -84,8 +84,9 @@ class ServerArgs:
     prefill_step_tokens: int | None = _f(None, "Once one step's new prompt tokens reach this, it admits no further "
                                          "waiting request (whole requests: none is cut to fill the step); each "
                                          "request then gets its first token when its own prompt is done, not when "
-                                         "a full --max-prefill-tokens step ends. 0: off, fill every step "
-                                         "(default: 512 on CPU, off on CUDA).")
+                                         "a full --max-prefill-tokens step ends. -1: auto, the tokens of about 0.3 s "
+                                         "of this server's measured prefill (512 until measured; 512 with TP > 1); "
+                                         "0: off, fill every step (default: -1 on CPU, 0 on CUDA).")
     schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _f(1.0, "Scales the reserved decode-growth estimate (higher is safer).")
     disable_radix_cache: bool = _f(False, "Turn off prefix caching (ChunkCache).")
@@ -265,6 +266,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("--max-total-tokens is too small")
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < -1:
+            raise ValueError("--prefill-step-tokens must be -1 (auto), 0 (off) or a number of tokens")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_top_logprobs < 0 or self.max_connections < 1:

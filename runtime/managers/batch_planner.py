@@ -20,6 +20,7 @@ from ..mem_cache.chunked_trie import ChunkedTrie
 from ..mem_cache.kv_manager import KVManager
 from ..mem_cache.miss_diagnosis import MissDiagnosis
 from ..server_args import ServerArgs
+from .prefill_pace import PrefillPace
 from .req import Req
 from .schedule_policy import PrefillBudget, order_waiting
 
@@ -40,6 +41,7 @@ class StepBatch:
     out_cache_loc: torch.Tensor | None = None
     admitted: list[Req] = field(default_factory=list)
     retracted: list[Req] = field(default_factory=list)
+    prompt_tokens: int = 0          # of extend_lens, the rows that prefill prompts (not decodes)
 
     @property
     def prefix_lens(self) -> list[int]:
@@ -84,6 +86,7 @@ class BatchPlanner:
         self.page_size = kv.page_size
         self.max_running = max_running_requests
         self.chunk_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.pace = PrefillPace(args.prefill_step_tokens or 0, args.max_prefill_tokens, measured=args.tp_size == 1)
         self.new_token_ratio = min(0.4 * args.schedule_conservativeness, 1.0)
         self.num_preemptions = 0
         self.prefix_queries = 0       # prompt tokens of first admissions (cumulative)
@@ -116,6 +119,7 @@ class BatchPlanner:
                 if n:
                     batch.reqs.append(req)
                     batch.extend_lens.append(n)
+                    batch.prompt_tokens += n
         self._admit(batch, budget, running, [*reversed(batch.retracted), *waiting])
         if batch.reqs:
             batch.out_cache_loc = self._alloc(batch)
@@ -137,23 +141,19 @@ class BatchPlanner:
         a prompt being prefilled in this step, or by a running chunked prefill, waits one step;
         by then that prompt is in the tree and this request hits it instead of recomputing it.
 
-        Once the step holds --prefill-step-tokens new prompt tokens it takes no further request:
-        every request of a step gets its first token when the step ends, so a burst prefilled a
-        few prompts per step gives each its first token when its own prompt is done (on CPU a
-        512-token step costs 2-4% more per token than a 2,048-token one and halves the median
-        time to first token of 16 prompts arriving together).
+        Once the step holds the pace's target of new prompt tokens (--prefill-step-tokens,
+        prefill_pace.py) it takes no further request.
         """
         if not waiting:
             return
-        step_target = self.args.prefill_step_tokens or 0
-        prompt_tokens = sum(n for req, n in zip(batch.reqs, batch.extend_lens) if req.kv_committed_len < req.prompt_len)
+        step_target = self.pace.target()
         radix = not self.args.disable_radix_cache
         in_flight = ChunkedTrie()
         for req in running:
             if req.kv_committed_len < req.prompt_len:
                 in_flight.insert(req.origin_input_ids)
         for req in order_waiting(self.args.schedule_policy, waiting, self.kv.prefix_cache, radix):
-            if step_target > 0 and prompt_tokens >= step_target:
+            if step_target > 0 and batch.prompt_tokens >= step_target:
                 break
             admitted = self._try_admit(req, batch, budget, in_flight if radix else None)
             if admitted is None:
@@ -161,7 +161,7 @@ class BatchPlanner:
             if not admitted:
                 break
             batch.admitted.append(req)
-            prompt_tokens += batch.extend_lens[-1]
+            batch.prompt_tokens += batch.extend_lens[-1]
             in_flight.insert(req.origin_input_ids)
 
     def _try_admit(self, req: Req, batch: StepBatch, budget: PrefillBudget,

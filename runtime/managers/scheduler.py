@@ -103,8 +103,11 @@ class Scheduler:
             rows = self.spec.decode_rows(batch) if self.spec is not None else 0
             start = time.perf_counter()
             self._run_batch(batch)
+            seconds = time.perf_counter() - start
             if rows:
-                self._observe_step(rows, time.perf_counter() - start)
+                self._observe_step(rows, seconds)
+            if batch.prompt_tokens:
+                self.planner.pace.observe(sum(batch.extend_lens), seconds)
         self._flush_outputs()
 
     def _observe_step(self, rows: int, seconds: float) -> None:

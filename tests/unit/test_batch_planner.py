@@ -193,3 +193,16 @@ def test_retracted_request_goes_to_the_front_without_kv() -> None:
     loop.run()
     assert len(loop.finished) == 3
     assert victim.cached_tokens == 0    # re-admission may hit its own old KV; that is not reported
+
+
+def test_prefill_steps_teach_the_pace_their_time() -> None:
+    """A step's prompt rows are counted in the batch (decodes are not); auto follows the planner's
+    measured pace."""
+    loop = FakeLoop(make_kv(1024, max_running=16), max_running=16, prefill_step_tokens=-1, chunked_prefill_size=-1)
+    loop.submit(*[make_req(f"r{i}", [30 + i] * 8, max_new_tokens=3) for i in range(3)])
+    first = loop.step()
+    assert first.prompt_tokens == 24 and loop.planner.pace.target() == 512
+    loop.planner.pace.observe(rows=1000, seconds=1000 * 0.3 / 200)
+    assert loop.planner.pace.target() == 192
+    assert loop.step().prompt_tokens == 0              # decodes only
+    loop.run()

@@ -49,9 +49,16 @@ def test_greedy_matches_hf_each_arch(tiny_models, arch):
     dict(schedule_policy="lof"),
     dict(schedule_policy="priority"),
     dict(max_running_requests=3),
+    dict(prefill_step_tokens=40),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_greedy_matches_hf_under_batching_modes(llama_path, config):
     _run_workload(llama_path, **config)
+
+
+def test_prefill_steps_are_timed_for_the_auto_pace(llama_path):
+    h = _run_workload(llama_path)                       # CPU default: auto
+    pace = h.scheduler.planner.pace
+    assert h.args.prefill_step_tokens == -1 and pace.seconds_per_row is not None and pace.target() >= 128
 
 
 @pytest.mark.parametrize("page_size,total", [(1, 320), (16, 256)])
