@@ -12,7 +12,11 @@ model twice as fast takes twice the tokens and the fixed part stays a few percen
 
 from __future__ import annotations
 
+import logging
+
 from ..utils import align_down
+
+logger = logging.getLogger(__name__)
 
 AUTO = -1
 STEP_SECONDS = 0.3      # a 512-token step of SmolLM2 on 2 Zen 4 cores; the fixed part is 2-4% of it
@@ -31,6 +35,7 @@ class PrefillPace:
         self.max_tokens = max_tokens
         self.measured = measured
         self.seconds_per_row: float | None = None
+        self.logged = 0         # the target last logged: logged again when it moves by half
 
     def target(self) -> int:
         """New prompt tokens past which a step takes no further request (0: no such limit)."""
@@ -48,3 +53,8 @@ class PrefillPace:
         per_row = seconds / rows
         old = self.seconds_per_row
         self.seconds_per_row = per_row if old is None else (1 - EMA) * old + EMA * per_row
+        target = self.target()
+        if not self.logged or 2 * abs(target - self.logged) >= self.logged:
+            logger.info("Prefill steps: new requests up to %d prompt tokens a step (auto: about %.1f s of "
+                        "prefill at %.2f ms per token)", target, STEP_SECONDS, self.seconds_per_row * 1e3)
+            self.logged = target

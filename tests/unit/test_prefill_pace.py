@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from radixlm.runtime.managers.prefill_pace import AUTO, MIN_TOKENS, STEP_SECONDS, UNMEASURED, PrefillPace
@@ -28,6 +30,18 @@ def test_auto_takes_the_tokens_of_a_step_time_once_measured() -> None:
     for _ in range(40):                                 # a model 10x slower: never below MIN_TOKENS
         pace.observe(rows=1000, seconds=1000 * STEP_SECONDS / 70)
     assert pace.target() == MIN_TOKENS
+
+
+def test_auto_logs_its_target_when_it_moves(caplog: pytest.LogCaptureFixture) -> None:
+    pace = PrefillPace(AUTO, max_tokens=2048)
+    with caplog.at_level(logging.INFO, logger="radixlm.runtime.managers.prefill_pace"):
+        pace.observe(rows=1000, seconds=1000 * STEP_SECONDS / 700)
+        pace.observe(rows=1000, seconds=1000 * STEP_SECONDS / 800)    # 640 -> 640: quiet
+        for _ in range(20):
+            pace.observe(rows=1000, seconds=1000 * STEP_SECONDS / 1500)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "up to 640 prompt tokens" in lines[0] and "up to 1024 prompt tokens" in lines[1], lines
+    assert pace.target() == 1472                      # moved on since, by less than half: not logged again
 
 
 def test_auto_stays_fixed_where_ranks_must_plan_alike() -> None:
