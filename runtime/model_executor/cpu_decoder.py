@@ -96,12 +96,11 @@ class CpuDecoder:
                                kv_cache.k_buffer[i], kv_cache.v_buffer[i])
         # GGUF weights: at prefill quant_select.py picks a kernel per row count (vnni, gemm or dequant
         # through oneDNN), where decoder.cpp always runs vnni; those passes keep the Python forward
-        takes_extend = not any(isinstance(linear.packed_weight, QuantWeight) for layer in inner.layers
-                               for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))
+        linears = [linear for layer in inner.layers for linear in _layer_linears(layer)]
+        takes_extend = not any(isinstance(linear.packed_weight, QuantWeight) for linear in linears)
         # Split decode steps were measured with radixlm's bf16 gemm on dense layers only
         dense_gemm = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in inner.layers) and all(
-            isinstance(linear.packed_weight, GemmWeight) for layer in inner.layers
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))
+            isinstance(linear.packed_weight, GemmWeight) for linear in linears)
         split = SplitChoice(env.CPU_DECODE_SPLIT.get() if dense_gemm else "off")
         logger.info("One-call CPU decoder on: %s run the %d decoder layers in one C++ call; decode steps split "
                     "between the threads: %s", "decode and prefill steps" if takes_extend else
@@ -171,12 +170,14 @@ def _moe_args(block: SparseMoeBlock) -> tuple:
             None if shared is None else block.shared_expert_gate.weight.detach())
 
 
-def _mlp_linears(mlp: nn.Module) -> tuple[nn.Module, ...]:
-    """The linear layers of a dense MLP, or of a sparse one's shared expert (its experts: fused_tables)."""
+def _layer_linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A decoder layer's linear layers: qkv and o, then a dense MLP's, or a sparse one's shared
+    expert's (its experts: fused_tables)."""
+    attn, mlp = layer.self_attn, layer.mlp
     if isinstance(mlp, SparseMoeBlock):
         shared = mlp.shared_expert
-        return () if shared is None else (shared.gate_up_proj, shared.down_proj)
-    return mlp.gate_up_proj, mlp.down_proj
+        return (attn.qkv_proj, attn.o_proj) + (() if shared is None else (shared.gate_up_proj, shared.down_proj))
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object, tp_size: int) -> str | None:
@@ -207,7 +208,7 @@ def _unsupported_reason(model: nn.Module, kv_cache: object, attn_backend: object
     for layer in inner.layers:
         if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.fused_tables() is None:
             return "MoE experts not in the bf16 gemm layout (bf16 weights and kernels/cpu_moe needed)"
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)):
+        for linear in _layer_linears(layer):
             quant = linear.packed_weight
             if isinstance(quant, QuantWeight) and not all(p.packed for p in quant.parts):
                 return "GGUF weights kept quantized without the quantized kernel"
